@@ -1,0 +1,234 @@
+"""The asyncio limiter, with automatic pipelining.
+
+Concurrent calls are coalesced: every request submitted while a batch is being
+prepared or is in flight joins the next batch, and a batch is one ``hit.lua``
+call (per hash slot on a cluster). Each request is still decided atomically and
+independently; batching only saves round trips.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import redis.asyncio
+import redis.asyncio.cluster
+from redis.exceptions import RedisError
+
+from geolimit.core.clock import Clock
+from geolimit.core.decision import Decision
+from geolimit.core.keys import KeyLayout, encode_subject
+from geolimit.core.rule import Rule
+from geolimit.core.usage import Usage, summarize
+from geolimit.errors import StorageError
+from geolimit.limiter_base import LimiterBase, OnError, RuleSpec
+from geolimit.store.async_store import AsyncClusterStore, AsyncRedisStore, AsyncStore
+from geolimit.store.connect import open_async_store
+from geolimit.store.protocol import (
+    HitRequest,
+    decode_hit,
+    encode_hit,
+    encode_hit_resp,
+    encode_reset,
+)
+from geolimit.store.redis_store import describe_error
+from geolimit.store.scripts import load_script
+
+__all__ = ["AsyncLimiter"]
+
+_HIT = load_script("hit")
+_RESET = load_script("reset")
+
+
+class AsyncLimiter(LimiterBase):
+    """The asyncio twin of :class:`~geolimit.Limiter`: the same API with ``await``.
+
+    ``max_batch`` caps how many requests share one script call, and
+    ``max_in_flight`` how many batches may be in flight at once.
+    """
+
+    def __init__(
+        self,
+        store: AsyncStore | redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster,
+        region: str,
+        rules: Iterable[Rule],
+        *,
+        prefix: str = "gl",
+        shards: int = 64,
+        on_error: OnError = "raise",
+        clock: Clock | None = None,
+        max_batch: int = 128,
+        max_in_flight: int = 2,
+    ) -> None:
+        super().__init__(
+            region=region, rules=rules, layout=KeyLayout(prefix, shards), on_error=on_error, clock=clock
+        )
+        if isinstance(store, redis.asyncio.cluster.RedisCluster):
+            store = AsyncClusterStore(store)
+        elif isinstance(store, redis.asyncio.Redis):
+            store = AsyncRedisStore(store.connection_pool)
+        self._store: AsyncStore = store
+        self._max_batch = max(1, max_batch)
+        self._max_in_flight = max(1, max_in_flight)
+        self._queue: list[tuple[HitRequest, asyncio.Future[Decision]]] = []
+        self._lanes = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._check_lock: asyncio.Lock | None = None
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        region: str,
+        rules: Iterable[Rule],
+        *,
+        cluster: bool | None = None,
+        prefix: str = "gl",
+        shards: int = 64,
+        on_error: OnError = "raise",
+        clock: Clock | None = None,
+        timeout: float | None = 1.0,
+        max_batch: int = 128,
+        max_in_flight: int = 2,
+        **redis_options: Any,
+    ) -> AsyncLimiter:
+        store = open_async_store(url, cluster=cluster, timeout=timeout, **redis_options)
+        return cls(
+            store, region, rules, prefix=prefix, shards=shards, on_error=on_error, clock=clock,
+            max_batch=max_batch, max_in_flight=max_in_flight,
+        )
+
+    @property
+    def store(self) -> AsyncStore:
+        return self._store
+
+    async def hit(self, rules: RuleSpec, subject: str | bytes, cost: int = 1) -> Decision:
+        return await self._submit(self._request(rules, subject, cost, True))
+
+    async def peek(self, rules: RuleSpec, subject: str | bytes, cost: int = 1) -> Decision:
+        return await self._submit(self._request(rules, subject, cost, False))
+
+    async def hit_many(self, requests: Sequence[tuple[RuleSpec, str | bytes, int]]) -> list[Decision]:
+        built = [self._request(rules, subject, cost, True) for rules, subject, cost in requests]
+        return list(await asyncio.gather(*(self._submit(r) for r in built)))
+
+    async def reset(self, rules: RuleSpec, subject: str | bytes) -> None:
+        chosen = self._resolve(rules)
+        data = encode_subject(subject)
+        await self._check_rules()
+        await self._store.run(
+            _RESET, encode_reset(self._layout, chosen, data, self._now(), self._region_b, self._nonce)
+        )
+
+    async def usage(self, rule: str, subject: str | bytes) -> Usage:
+        chosen = self.rule(rule)
+        data = encode_subject(subject)
+        shard = self._layout.shard_of(data)
+        registry, fields = await self._store.read(
+            [self._layout.registry_key(shard), self._layout.data_key(chosen.name, data)]
+        )
+        return summarize(chosen, data, registry, fields, self._now() or await self.redis_time_us())
+
+    async def redis_time_us(self) -> int:
+        try:
+            seconds, micros = await self._store.client().time()
+        except RedisError as exc:
+            raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
+        return int(seconds) * 1_000_000 + int(micros)
+
+    async def aclose(self) -> None:
+        """Wait for in-flight batches, then close the connections."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._store.close()
+
+    close = aclose
+
+    async def __aenter__(self) -> AsyncLimiter:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- batching ---------------------------------------------------------
+
+    def _submit(self, request: HitRequest) -> asyncio.Future[Decision]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Decision] = loop.create_future()
+        self._queue.append((request, future))
+        if self._lanes < self._max_in_flight:
+            self._lanes += 1
+            task = loop.create_task(self._lane())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return future
+
+    async def _lane(self) -> None:
+        try:
+            while self._queue:
+                batch = self._queue[: self._max_batch]
+                del self._queue[: self._max_batch]
+                requests = [request for request, _ in batch]
+                try:
+                    decisions = await self._decide(requests)
+                except BaseException as exc:
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    if not isinstance(exc, Exception):
+                        raise
+                    continue
+                for (_, future), decision in zip(batch, decisions, strict=True):
+                    if not future.done():
+                        future.set_result(decision)
+        finally:
+            self._lanes -= 1
+
+    async def _decide(self, requests: list[HitRequest]) -> list[Decision]:
+        try:
+            if self._rules_check_due():
+                await self._check_rules()
+            now = self._now()
+            store = self._store
+            if isinstance(store, AsyncRedisStore):
+                reply = await store.run_resp(_HIT, *encode_hit_resp(requests, now, self._region_b, self._nonce))
+                return decode_hit(reply, requests)
+            groups: dict[int, list[int]] = {}
+            for i, request in enumerate(requests):
+                groups.setdefault(request.shard, []).append(i)
+            parts = await asyncio.gather(
+                *(
+                    self._store.run(_HIT, encode_hit([requests[i] for i in idx], now, self._region_b, self._nonce))
+                    for idx in groups.values()
+                )
+            )
+            out: list[Decision | None] = [None] * len(requests)
+            for idx, reply in zip(groups.values(), parts, strict=True):
+                for i, decision in zip(idx, decode_hit(reply, [requests[i] for i in idx]), strict=True):
+                    out[i] = decision
+            return [d for d in out if d is not None]
+        except StorageError as exc:
+            return self._degrade(requests, exc)
+
+    async def _check_rules(self) -> None:
+        if self._check_lock is None:
+            self._check_lock = asyncio.Lock()
+        async with self._check_lock:
+            if not self._rules_check_due():
+                return
+            names, specs, ttl_ms = self._rule_check_plan()
+            if not names:
+                return
+            key = self._layout.rules_key
+            try:
+                pipe = self._store.client().pipeline(transaction=False)
+                for name, spec in zip(names, specs, strict=True):
+                    pipe.hsetnx(key, name, spec)
+                pipe.hmget(key, names)
+                pipe.pexpire(key, ttl_ms)
+                theirs = (await pipe.execute())[-2]
+            except RedisError as exc:
+                raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
+            self._verify_rule_specs(names, specs, theirs)
+            self._rules_checked()

@@ -1,0 +1,81 @@
+"""Usage: who consumed what in a key's current window (pure decoding)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from geolimit.core.gcounter import parse_slot_id
+from geolimit.core.rule import Rule
+from geolimit.core.window import bucket_of, read_key
+
+__all__ = ["Usage", "slot_names", "summarize"]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """The global count of one rule and subject, broken down by region and slot."""
+
+    rule: str
+    subject: bytes
+    limit: int
+    window: float
+    total: int
+    remaining: int
+    by_region: dict[str, int] = field(default_factory=dict)
+    by_slot: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "rule": self.rule,
+            "subject": self.subject.decode("utf-8", "backslashreplace"),
+            "limit": self.limit,
+            "window": self.window,
+            "total": self.total,
+            "remaining": self.remaining,
+            "regions": dict(self.by_region),
+            "slots": dict(self.by_slot),
+        }
+
+
+def slot_names(registry: Mapping[bytes, bytes]) -> dict[int, str]:
+    """Slot index -> slot id (``region/incarnation``) from a shard's registry hash."""
+    names: dict[int, str] = {}
+    for name, index in registry.items():
+        if name in (b"@", b"#") or b"/" not in name:
+            continue
+        names[int(index)] = name.decode("utf-8", "backslashreplace")
+    return names
+
+
+def summarize(
+    rule: Rule,
+    subject: bytes,
+    registry: Mapping[bytes, bytes],
+    fields: Mapping[bytes, bytes],
+    now_us: int,
+) -> Usage:
+    """Strict-mode usage of ``rule`` for ``subject`` at ``now_us``."""
+    current = bucket_of(now_us, rule.resolution_us)
+    view = read_key(fields, current, rule.buckets, rule.ring)
+    names = slot_names(registry)
+    by_slot: dict[str, int] = {}
+    for (slot, bucket), (value, floor) in view.cells.items():
+        if current - rule.buckets <= bucket <= current:
+            name = names.get(slot, f"?/{slot}")
+            by_slot[name] = by_slot.get(name, 0) + max(0, value - floor)
+    by_region: dict[str, int] = {}
+    for name, count in by_slot.items():
+        region = parse_slot_id(name)[0] if not name.startswith("?/") else "?"
+        by_region[region] = by_region.get(region, 0) + count
+    total = sum(view.sums)
+    return Usage(
+        rule=rule.name,
+        subject=subject,
+        limit=rule.limit,
+        window=rule.window_us / 1e6,
+        total=total,
+        remaining=max(0, rule.limit - total),
+        by_region=by_region,
+        by_slot=by_slot,
+    )

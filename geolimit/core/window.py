@@ -1,0 +1,235 @@
+"""Window maths: clock-aligned buckets, ring positions and the decision rule.
+
+Everything here is pure and mirrors ``geolimit/store/lua/*.lua`` exactly; the
+tests run both against the same inputs.
+
+Time is integer microseconds since the epoch. Bucket ``b`` covers
+``[b * res, (b + 1) * res)``, so every region counts the same buckets.
+
+A key's hash stores one field per (slot, bucket) at the *ring position*
+``slot * M + (b mod M)``, where ``M = N + F + 1`` (see :class:`~geolimit.core.rule.Rule`).
+The field ``h`` (the key's *head*) holds the newest bucket written; a position
+``p`` therefore always means bucket ``h - ((h - p) mod M)``. When the head moves
+forward, positions it passes over are cleared, so a field can never be misread
+as a newer bucket, however long the key lives.
+
+Reset floors live at field ``-(f + 1)`` for value field ``f``; a slot's effective
+count is ``max(0, value - floor)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "HEAD_FIELD",
+    "Evaluation",
+    "KeyView",
+    "bucket_at",
+    "bucket_of",
+    "evaluate",
+    "field_of",
+    "floor_field_of",
+    "read_key",
+    "split_field",
+    "window_sums",
+]
+
+HEAD_FIELD = "h"
+
+
+def bucket_of(now_us: int, resolution_us: int) -> int:
+    """The epoch-aligned bucket that contains ``now_us``."""
+    return now_us // resolution_us
+
+
+def field_of(slot: int, bucket: int, ring: int) -> int:
+    """The value field of ``slot`` for ``bucket``."""
+    return slot * ring + bucket % ring
+
+
+def floor_field_of(value_field: int) -> int:
+    """The reset-floor field that pairs with ``value_field``."""
+    return -value_field - 1
+
+
+def split_field(field: int, ring: int) -> tuple[bool, int, int]:
+    """``(is_floor, slot, position)`` of a numeric field."""
+    is_floor = field < 0
+    if is_floor:
+        field = -field - 1
+    return is_floor, field // ring, field % ring
+
+
+def bucket_at(position: int, head: int, ring: int) -> int:
+    """The bucket that ring ``position`` holds, given the key's head bucket."""
+    return head - (head - position) % ring
+
+
+def window_sums(
+    per_bucket: Mapping[int, int], current: int, buckets: int
+) -> tuple[list[int], dict[int, int]]:
+    """Split effective per-bucket totals into the counted window and the future.
+
+    Returns ``(sums, future)`` where ``sums[d]`` is the total of bucket
+    ``current - d`` for ``d`` in ``0..N`` and ``future`` maps buckets newer than
+    ``current`` (entries from regions whose clocks run ahead) to their totals.
+    """
+    sums = [0] * (buckets + 1)
+    future: dict[int, int] = {}
+    for bucket, total in per_bucket.items():
+        delta = current - bucket
+        if 0 <= delta <= buckets:
+            sums[delta] += total
+        elif delta < 0 and total:
+            future[bucket] = future.get(bucket, 0) + total
+    return sums, future
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """The outcome of one rule for one request, in integer microseconds."""
+
+    allowed: bool
+    used: int  # units counted in the window, including this request if consumed
+    retry_after_us: int  # 0 when allowed; -1 when the cost can never fit
+    reset_after_us: int  # until the window holds nothing
+
+
+def evaluate(
+    sums: list[int],
+    future: Mapping[int, int] | Iterable[tuple[int, int]],
+    now_us: int,
+    cost: int,
+    limit: int,
+    resolution_us: int,
+    approximate: bool = False,
+    consume: bool = True,
+) -> Evaluation:
+    """Decide one rule. ``sums`` is as returned by :func:`window_sums`.
+
+    Strict mode counts all N + 1 buckets that overlap the true window
+    ``(now - window, now]``, so no true window ever holds more than ``limit``.
+    Approximate mode weights the oldest bucket by the fraction of it that is
+    still inside the window.
+    """
+    n = len(sums) - 1
+    current = now_us // resolution_us
+    weight = ((current + 1) * resolution_us - now_us) / resolution_us
+    newer = sum(sums[:n])
+    count: float = newer + (sums[n] * weight if approximate else sums[n])
+    allowed = count + cost <= limit
+    used_f = count + cost if (allowed and consume) else count
+    used = math.ceil(used_f) if approximate else int(used_f)
+    if allowed:
+        retry_us = 0
+    elif cost > limit:
+        retry_us = -1
+    elif approximate:
+        retry_us = _retry_approximate(sums, now_us, cost, limit, resolution_us, weight)
+    else:
+        retry_us = _retry_strict(sums, now_us, cost, limit, resolution_us)
+    latest = -1
+    if allowed and consume and cost > 0:
+        latest = current
+    else:
+        for d in range(n + 1):
+            if sums[d] > 0:
+                latest = current - d
+                break
+    items = future.items() if isinstance(future, Mapping) else future
+    for bucket, total in items:
+        if total > 0 and bucket > latest:
+            latest = bucket
+    reset_us = 0 if latest < 0 else (latest + n + 1) * resolution_us - now_us
+    return Evaluation(allowed, used, retry_us, max(0, reset_us))
+
+
+def _retry_strict(sums: list[int], now_us: int, cost: int, limit: int, res: int) -> int:
+    n = len(sums) - 1
+    current = now_us // res
+    remaining = sum(sums)
+    for k in range(1, n + 2):
+        remaining -= sums[n - k + 1]
+        if remaining + cost <= limit:
+            return (current + k) * res - now_us
+    return (current + n + 1) * res - now_us  # pragma: no cover - loop always returns
+
+
+def _retry_approximate(
+    sums: list[int], now_us: int, cost: int, limit: int, res: int, weight: float
+) -> int:
+    n = len(sums) - 1
+    current = now_us // res
+    newer = sum(sums[:n])
+    for k in range(0, n + 1):
+        if k > 0:
+            newer -= sums[n - k]
+        oldest = sums[n - k]
+        start_weight = weight if k == 0 else 1.0
+        if newer + cost > limit:
+            continue
+        if oldest == 0 or newer + oldest * start_weight + cost <= limit:
+            return 0 if k == 0 else (current + k) * res - now_us
+        needed = (limit - cost - newer) / oldest
+        at = (current + k + 1) * res - needed * res
+        return math.ceil(at - now_us)
+    return (current + n + 1) * res - now_us
+
+
+@dataclass(frozen=True, slots=True)
+class KeyView:
+    """A key's hash read relative to the current bucket (what ``load_window`` returns)."""
+
+    sums: list[int]
+    future: dict[int, int]
+    head: int | None
+    own: int
+    stale: list[bytes]
+    cells: dict[tuple[int, int], tuple[int, int]]  # (slot index, bucket) -> (value, floor)
+
+
+def read_key(
+    fields: Mapping[bytes, bytes], current: int, buckets: int, ring: int
+) -> KeyView:
+    """Interpret a key's raw ``HGETALL`` relative to bucket ``current``.
+
+    Same result as the Lua ``load_window``, plus every live cell by slot index.
+    """
+    sums = [0] * (buckets + 1)
+    if not fields:
+        return KeyView(sums, {}, None, 0, [], {})
+    raw_head = fields.get(b"h")
+    head = int(raw_head) if raw_head is not None else current
+    values: dict[int, int] = {}
+    floors: dict[int, int] = {}
+    stale: list[bytes] = []
+    for name, raw in fields.items():
+        if name == b"h":
+            continue
+        f = int(name)
+        base = -f - 1 if f < 0 else f
+        if bucket_at(base % ring, head, ring) <= current - ring:
+            stale.append(name)
+        elif f < 0:
+            floors[base] = int(raw)
+        else:
+            values[base] = int(raw)
+    future: dict[int, int] = {}
+    cells: dict[tuple[int, int], tuple[int, int]] = {}
+    own = values.get(current % ring, 0)
+    for f in set(values) | set(floors):
+        value, floor = values.get(f, 0), floors.get(f, 0)
+        bucket = bucket_at(f % ring, head, ring)
+        cells[(f // ring, bucket)] = (value, floor)
+        if f not in values:
+            continue
+        eff = value - min(value, floor)
+        delta = current - bucket
+        if delta < 0:
+            future[bucket] = future.get(bucket, 0) + eff
+        elif delta <= buckets:
+            sums[delta] += eff
+    return KeyView(sums, future, None if raw_head is None else head, own, stale, cells)

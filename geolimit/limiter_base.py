@@ -1,0 +1,170 @@
+"""What :class:`~geolimit.Limiter` and :class:`~geolimit.AsyncLimiter` share:
+rule lookup, argument validation, request building, degraded decisions and the
+rule-structure check against Redis. No I/O happens here."""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import time
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+from geolimit.core.clock import Clock, micros_source
+from geolimit.core.decision import Decision, degraded_decision
+from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout, encode_subject
+from geolimit.core.rule import Rule
+from geolimit.errors import ConfigError, RequestError, StorageError, UnknownRuleError
+from geolimit.store.protocol import HitRequest, RequestBuilder, RulePlan, validate_cost
+
+__all__ = ["LimiterBase", "OnError", "RuleSpec", "validate_region"]
+
+OnError = Literal["raise", "allow", "deny"]
+RuleSpec = str | Rule | Sequence[str | Rule]
+
+log = logging.getLogger("geolimit")
+
+_REGION_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+#: How often a long-lived limiter re-checks its rules against Redis.
+RULE_CHECK_INTERVAL = 60.0
+
+
+def validate_region(region: object) -> str:
+    if not isinstance(region, str) or not _REGION_RE.match(region):
+        raise ConfigError(f"invalid region name {region!r}: use 1-64 characters from A-Z a-z 0-9 _ . -")
+    return region
+
+
+class LimiterBase:
+    """Shared state of the sync and async limiters."""
+
+    def __init__(
+        self,
+        *,
+        region: str,
+        rules: Iterable[Rule],
+        layout: KeyLayout | None = None,
+        on_error: OnError = "raise",
+        clock: Clock | None = None,
+    ) -> None:
+        self._region = validate_region(region)
+        self._region_b = region.encode()
+        self._nonce = secrets.token_hex(3).encode()
+        self._layout = layout or KeyLayout()
+        if on_error not in ("raise", "allow", "deny"):
+            raise ConfigError(f"on_error must be 'raise', 'allow' or 'deny', got {on_error!r}")
+        self._on_error: OnError = on_error
+        self._micros = micros_source(clock)
+        self._rules: dict[str, Rule] = {}
+        self._plans: dict[str, RulePlan] = {}
+        self._builder = RequestBuilder(self._layout)
+        self._check_due = 0.0
+        self._last_degraded_log = 0.0
+        self.set_rules(rules)
+
+    @property
+    def region(self) -> str:
+        return self._region
+
+    @property
+    def layout(self) -> KeyLayout:
+        return self._layout
+
+    @property
+    def rules(self) -> dict[str, Rule]:
+        """The configured rules by name (a copy)."""
+        return dict(self._rules)
+
+    def set_rules(self, rules: Iterable[Rule]) -> None:
+        """Replace the rule set (for example on a config reload)."""
+        new: dict[str, Rule] = {}
+        for rule in rules:
+            if not isinstance(rule, Rule):
+                raise ConfigError(f"rules must be Rule objects, got {rule!r}")
+            if rule.name in new:
+                raise ConfigError(f"duplicate rule name {rule.name!r}")
+            new[rule.name] = rule
+        self._rules = new
+        self._plans = {name: RulePlan.of(rule) for name, rule in new.items()}
+        self._check_due = 0.0
+
+    def rule(self, name: str) -> Rule:
+        try:
+            return self._rules[name]
+        except KeyError:
+            raise UnknownRuleError(name, tuple(self._rules)) from None
+
+    def _resolve(self, spec: RuleSpec) -> tuple[Rule, ...]:
+        if isinstance(spec, (str, Rule)):
+            items: Sequence[str | Rule] = (spec,)
+        elif isinstance(spec, Sequence) and spec:
+            items = spec
+        else:
+            raise RequestError(f"rules must be a rule name or a non-empty list of names, got {spec!r}")
+        out: list[Rule] = []
+        for item in items:
+            rule = item if isinstance(item, Rule) else self.rule(item) if isinstance(item, str) else None
+            if rule is None:
+                raise RequestError(f"a rule must be a name or a Rule, got {item!r}")
+            if any(r.name == rule.name for r in out):
+                raise RequestError(f"rule {rule.name!r} is named twice in one request")
+            out.append(rule)
+        return tuple(out)
+
+    def _request(self, spec: RuleSpec, subject: str | bytes, cost: int, consume: bool) -> HitRequest:
+        plans: tuple[RulePlan, ...]
+        if type(spec) is str and spec in self._plans:
+            plans = (self._plans[spec],)
+        else:
+            plans = tuple(self._plans.get(r.name) or RulePlan.of(r) for r in self._resolve(spec))
+        if type(subject) is str:
+            data = subject.encode("utf-8", "surrogatepass")
+            if len(data) > MAX_SUBJECT_BYTES:
+                data = encode_subject(data)  # raises the descriptive error
+        else:
+            data = encode_subject(subject)
+        if type(cost) is not int or not 0 <= cost < 2**50:
+            validate_cost(cost)
+        return self._builder.build(plans, data, cost, consume)
+
+    def _now(self) -> int | None:
+        return None if self._micros is None else self._micros()
+
+    def _rules_check_due(self) -> bool:
+        return time.monotonic() >= self._check_due
+
+    def _rules_checked(self) -> None:
+        self._check_due = time.monotonic() + RULE_CHECK_INTERVAL
+
+    def _rule_check_plan(self) -> tuple[list[str], list[bytes], int]:
+        names = sorted(self._rules)
+        specs = [b"%d/%d" % self._rules[n].structure for n in names]
+        ttl_ms = max([3_600_000, *(2 * r.ttl_ms for r in self._rules.values())])
+        return names, specs, ttl_ms
+
+    def _verify_rule_specs(self, names: list[str], mine: list[bytes], theirs: list[bytes | None]) -> None:
+        for name, want, have in zip(names, mine, theirs, strict=True):
+            if have is not None and have != want:
+                w_win, w_res = (int(x) / 1e6 for x in want.split(b"/"))
+                h_win, h_res = (int(x) / 1e6 for x in have.split(b"/"))
+                raise ConfigError(
+                    f"rule {name!r} has window {w_win:g}s and resolution {w_res:g}s here, but "
+                    f"window {h_win:g}s and resolution {h_res:g}s in Redis: every app and agent "
+                    f"sharing this Redis must agree on them (the limit may differ); rename the "
+                    f"rule to change its window or resolution"
+                )
+
+    def _degrade(self, requests: Sequence[HitRequest], exc: StorageError) -> list[Decision]:
+        if self._on_error == "raise":
+            raise exc
+        now = time.monotonic()
+        if now - self._last_degraded_log > 10.0:
+            self._last_degraded_log = now
+            log.warning(
+                "geolimit: Redis unavailable, %s requests (on_error=%r): %s",
+                "allowing" if self._on_error == "allow" else "denying",
+                self._on_error,
+                exc,
+            )
+        return [degraded_decision(r.rules, self._on_error == "allow", str(exc)) for r in requests]

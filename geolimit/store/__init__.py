@@ -1,0 +1,1 @@
+"""Storage back-ends and helpers."""

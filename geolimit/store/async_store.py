@@ -1,0 +1,137 @@
+"""Asyncio Redis stores: the I/O shell under :class:`geolimit.AsyncLimiter`.
+
+Same contract as :mod:`geolimit.store.redis_store`, with ``await``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import redis.asyncio
+import redis.asyncio.cluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from geolimit.errors import StorageError
+from geolimit.store.protocol import pack_command
+from geolimit.store.redis_store import describe_error
+from geolimit.store.scripts import LuaScript
+
+__all__ = ["AsyncClusterStore", "AsyncRedisStore", "AsyncStore"]
+
+
+class AsyncStore(Protocol):
+    clustered: bool
+
+    async def run(self, script: LuaScript, args: list[bytes]) -> Any: ...
+
+    async def read(self, keys: list[bytes]) -> list[dict[bytes, bytes]]: ...
+
+    def client(self) -> redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster: ...
+
+    async def close(self) -> None: ...
+
+
+class AsyncRedisStore:
+    """One Redis server; script calls use pre-packed RESP on a free list of connections."""
+
+    clustered = False
+
+    def __init__(self, pool: redis.asyncio.ConnectionPool) -> None:
+        self._pool = pool
+        self._client = redis.asyncio.Redis(connection_pool=pool)
+        self._free: list[Any] = []
+
+    def client(self) -> redis.asyncio.Redis:
+        return self._client
+
+    async def _roundtrip(self, packed: bytes) -> Any:
+        reused = bool(self._free)
+        conn = self._free.pop() if reused else self._pool.connection_class(**self._pool.connection_kwargs)
+        while True:
+            try:
+                await conn.send_packed_command([packed], check_health=False)
+                reply = await conn.read_response()
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                await conn.disconnect()
+                if reused and not isinstance(exc, RedisTimeoutError):
+                    reused = False
+                    continue
+                raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
+            except NoScriptError:
+                self._free.append(conn)
+                raise
+            except RedisError as exc:
+                self._free.append(conn)
+                raise StorageError(f"Redis error: {describe_error(exc)}") from exc
+            except BaseException:
+                # Cancelled mid-reply: the connection's stream position is unknown.
+                await conn.disconnect()
+                raise
+            self._free.append(conn)
+            return reply
+
+    async def run(self, script: LuaScript, args: list[bytes]) -> Any:
+        return await self.run_resp(
+            script, len(args), b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in args)
+        )
+
+    async def run_resp(self, script: LuaScript, nargs: int, body: bytes) -> Any:
+        """EVALSHA with arguments already RESP-encoded in ``body``."""
+        packed = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n%b" % (nargs + 2, script.sha, body)
+        try:
+            return await self._roundtrip(packed)
+        except NoScriptError:
+            await self._roundtrip(pack_command(b"SCRIPT", b"LOAD", script.source))
+            try:
+                return await self._roundtrip(packed)
+            except NoScriptError as exc:  # pragma: no cover
+                raise StorageError(f"Redis lost script {script.name} right after loading it") from exc
+
+    async def read(self, keys: list[bytes]) -> list[dict[bytes, bytes]]:
+        try:
+            async with self._client.pipeline(transaction=True) as pipe:
+                for key in keys:
+                    pipe.hgetall(key)
+                return list(await pipe.execute())
+        except RedisError as exc:
+            raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
+
+    async def close(self) -> None:
+        while self._free:
+            await self._free.pop().disconnect()
+        await self._client.aclose()
+        await self._pool.disconnect()
+
+
+class AsyncClusterStore:
+    """A Redis Cluster through redis-py's asyncio cluster client."""
+
+    clustered = True
+
+    def __init__(self, cluster: redis.asyncio.cluster.RedisCluster) -> None:
+        self._cluster = cluster
+
+    def client(self) -> redis.asyncio.cluster.RedisCluster:
+        return self._cluster
+
+    async def run(self, script: LuaScript, args: list[bytes]) -> Any:
+        sha = script.sha.decode()
+        try:
+            try:
+                return await self._cluster.evalsha(sha, *args)  # type: ignore[arg-type]
+            except NoScriptError:
+                await self._cluster.script_load(script.source)
+                return await self._cluster.evalsha(sha, *args)  # type: ignore[arg-type]
+        except RedisError as exc:
+            raise StorageError(f"Redis Cluster error: {describe_error(exc)}") from exc
+
+    async def read(self, keys: list[bytes]) -> list[dict[bytes, bytes]]:
+        try:
+            return [await self._cluster.hgetall(key) for key in keys]  # type: ignore[misc]
+        except RedisError as exc:
+            raise StorageError(f"Redis Cluster error: {describe_error(exc)}") from exc
+
+    async def close(self) -> None:
+        await self._cluster.aclose()

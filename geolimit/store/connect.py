@@ -1,0 +1,89 @@
+"""Opening stores from URLs.
+
+``redis://``, ``rediss://`` and ``unix://`` select one server;
+``redis+cluster://`` and ``rediss+cluster://`` (or ``cluster=True``) select a
+Redis Cluster, discovered from the node in the URL.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.asyncio
+import redis.asyncio.cluster
+import redis.cluster
+from redis.exceptions import RedisError
+
+from geolimit.errors import ConfigError, StorageError
+from geolimit.store.async_store import AsyncClusterStore, AsyncRedisStore, AsyncStore
+from geolimit.store.redis_store import ClusterStore, RedisStore, SyncStore, describe_error
+
+__all__ = ["open_async_store", "open_sync_store", "redact_url", "split_cluster_url"]
+
+_SCHEMES = {"redis", "rediss", "unix"}
+_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (safe to log)."""
+    return re.sub(r"(//[^:/@]*:)[^@/]*@", r"\1***@", url)
+
+
+def split_cluster_url(url: str, cluster: bool | None = None) -> tuple[bool, str]:
+    """``(is_cluster, url redis-py understands)``; ConfigError for unknown schemes."""
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigError(f"invalid Redis URL {redact_url(str(url))!r}: expected redis://host:port/db")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme in _CLUSTER_SCHEMES:
+        if cluster is False:
+            raise ConfigError(f"{redact_url(url)!r} is a cluster URL but cluster=False was given")
+        return True, urlunsplit(parts._replace(scheme=_CLUSTER_SCHEMES[scheme]))
+    if scheme not in _SCHEMES:
+        raise ConfigError(
+            f"invalid Redis URL {redact_url(url)!r}: scheme must be redis, rediss, unix, "
+            f"redis+cluster or rediss+cluster"
+        )
+    if scheme == "unix" and cluster:
+        raise ConfigError("a Redis Cluster cannot be reached through a unix socket URL")
+    return bool(cluster), url
+
+
+def _options(timeout: float | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    opts = dict(kwargs)
+    if timeout is not None:
+        opts.setdefault("socket_timeout", timeout)
+        opts.setdefault("socket_connect_timeout", timeout)
+    opts.pop("decode_responses", None)
+    return opts
+
+
+def open_sync_store(
+    url: str, *, cluster: bool | None = None, timeout: float | None = 1.0, **kwargs: Any
+) -> SyncStore:
+    is_cluster, plain = split_cluster_url(url, cluster)
+    opts = _options(timeout, kwargs)
+    try:
+        if is_cluster:
+            return ClusterStore(redis.cluster.RedisCluster.from_url(plain, **opts))
+        return RedisStore(redis.ConnectionPool.from_url(plain, **opts))
+    except (RedisError, ValueError, TypeError) as exc:
+        if isinstance(exc, RedisError) and not isinstance(exc, ValueError):
+            raise StorageError(f"cannot reach Redis at {redact_url(url)}: {describe_error(exc)}") from exc
+        raise ConfigError(f"invalid Redis URL {redact_url(url)!r}: {exc}") from exc
+
+
+def open_async_store(
+    url: str, *, cluster: bool | None = None, timeout: float | None = 1.0, **kwargs: Any
+) -> AsyncStore:
+    is_cluster, plain = split_cluster_url(url, cluster)
+    opts = _options(timeout, kwargs)
+    try:
+        if is_cluster:
+            return AsyncClusterStore(redis.asyncio.cluster.RedisCluster.from_url(plain, **opts))
+        return AsyncRedisStore(redis.asyncio.ConnectionPool.from_url(plain, **opts))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"invalid Redis URL {redact_url(url)!r}: {exc}") from exc

@@ -1,0 +1,179 @@
+-- geolimit common prelude: prepended to every script by geolimit/store/scripts.py.
+-- Mirrors geolimit/core/window.py; keep the two in step (tests compare them).
+local tonumber, ceil, fmod = tonumber, math.ceil, math.fmod
+local call = redis.call
+
+-- The epoch-aligned bucket of time t (exact: fmod never rounds).
+local function bucket(t, res)
+  return (t - fmod(t, res)) / res
+end
+
+-- Run cmd key args... in chunks: unpack() is limited by Lua's C stack.
+local function chunked(cmd, key, list, step)
+  local n = #list
+  for i = 1, n, step do
+    local j = i + step - 1
+    if j > n then j = n end
+    call(cmd, key, unpack(list, i, j))
+  end
+end
+
+-- Microseconds: ARGV value if the caller injected a clock, else Redis TIME.
+local function clock(arg)
+  if arg ~= '' then return tonumber(arg) end
+  local t = call('TIME')
+  return t[1] * 1000000 + t[2]
+end
+
+-- Slot registry of a shard. Slot index 0 is always this region's current
+-- incarnation; a fresh (or wiped) registry starts a new incarnation, so counts
+-- that a lost Redis held come back from peers under the old slot, never merged
+-- into the new one.
+local function ensure_registry(reg, region, nonce)
+  local own = call('HGET', reg, '@')
+  if not own then
+    local t = call('TIME')
+    own = string.format('%x%05x', tonumber(t[1]), tonumber(t[2])) .. nonce
+    call('HSET', reg, '@', own, '#', 1, region .. '/' .. own, 0)
+  end
+  return own
+end
+
+-- Reads a key's buckets relative to bucket c.
+-- Returns sums[0..N] (effective total of bucket c - d), futs (bucket -> total
+-- for buckets newer than c), head (nil for a new key), own (raw value of this
+-- region's field for bucket c) and stale (fields the head will pass over when it
+-- moves to c).
+local function load_window(key, c, N, M)
+  local flat = call('HGETALL', key)
+  local n = #flat
+  local sums = {}
+  for d = 0, N do sums[d] = 0 end
+  if n == 0 then return sums, nil, nil, 0, {} end
+  local h
+  if flat[1] == 'h' then h = tonumber(flat[2]) else
+    for i = 1, n, 2 do if flat[i] == 'h' then h = tonumber(flat[i + 1]) break end end
+  end
+  if not h then h = c end
+  local stale, futs, floors = {}, nil, nil
+  local own, ownf, old = 0, c % M, c - M
+  for i = 1, n, 2 do
+    local fs = flat[i]
+    if fs ~= 'h' then
+      local f = tonumber(fs)
+      local raw = f
+      if f < 0 then raw = -f - 1 end
+      local b = h - (h - raw % M) % M
+      if b <= old then
+        stale[#stale + 1] = fs
+      elseif f < 0 then
+        floors = floors or {}
+        floors[raw] = tonumber(flat[i + 1])
+      else
+        local v = tonumber(flat[i + 1])
+        local d = c - b
+        if d < 0 then
+          futs = futs or {}
+          futs[b] = (futs[b] or 0) + v
+        elseif d <= N then
+          sums[d] = sums[d] + v
+        end
+        if f == ownf then own = v end
+      end
+    end
+  end
+  if floors then
+    for i = 1, n, 2 do
+      local fs = flat[i]
+      if fs ~= 'h' then
+        local f = tonumber(fs)
+        local fl = f >= 0 and floors[f]
+        if fl then
+          local b = h - (h - f % M) % M
+          if b > old then
+            local v = tonumber(flat[i + 1])
+            local sub = fl < v and fl or v
+            local d = c - b
+            if d < 0 then futs[b] = futs[b] - sub
+            elseif d <= N then sums[d] = sums[d] - sub end
+          end
+        end
+      end
+    end
+  end
+  return sums, futs, h, own, stale
+end
+
+-- Does the window admit cost more? (count the partial oldest bucket fully in
+-- strict mode, weighted by its overlap in approximate mode)
+local function admits(sums, N, now, cost, limit, res, approx)
+  local count = 0
+  for d = 0, N - 1 do count = count + sums[d] end
+  if approx then
+    local c = bucket(now, res)
+    count = count + sums[N] * (((c + 1) * res - now) / res)
+  else
+    count = count + sums[N]
+  end
+  return count + cost <= limit
+end
+
+-- The decision rule for one key. ``consume``: the request as a whole consumed
+-- cost (every rule allowed it). Times in microseconds; returns
+-- allowed, used, retry_after (-1: never), reset_after.
+local function evaluate(sums, futs, N, now, cost, limit, res, approx, consume)
+  local c = bucket(now, res)
+  local weight = ((c + 1) * res - now) / res
+  local newer = 0
+  for d = 0, N - 1 do newer = newer + sums[d] end
+  local count
+  if approx then count = newer + sums[N] * weight else count = newer + sums[N] end
+  local allowed = count + cost <= limit
+  local used = count
+  if allowed and consume then used = count + cost end
+  if approx then used = ceil(used) end
+  local retry = 0
+  if not allowed then
+    if cost > limit then
+      retry = -1
+    elseif approx then
+      retry = (c + N + 1) * res - now
+      for k = 0, N do
+        if k > 0 then newer = newer - sums[N - k] end
+        local oldest = sums[N - k]
+        local w0 = 1.0
+        if k == 0 then w0 = weight end
+        if newer + cost <= limit then
+          if oldest == 0 or newer + oldest * w0 + cost <= limit then
+            if k == 0 then retry = 0 else retry = (c + k) * res - now end
+          else
+            local need = (limit - cost - newer) / oldest
+            retry = ceil((c + k + 1) * res - need * res - now)
+          end
+          break
+        end
+      end
+    else
+      local rem = count
+      for k = 1, N + 1 do
+        rem = rem - sums[N - k + 1]
+        if rem + cost <= limit then retry = (c + k) * res - now break end
+      end
+    end
+  end
+  local latest = -1
+  if allowed and consume and cost > 0 then
+    latest = c
+  else
+    for d = 0, N do if sums[d] > 0 then latest = c - d break end end
+  end
+  if futs then
+    for b, t in pairs(futs) do if t > 0 and b > latest then latest = b end end
+  end
+  local reset = 0
+  if latest >= 0 then
+    reset = (latest + N + 1) * res - now
+    if reset < 0 then reset = 0 end
+  end
+  return allowed, used, retry, reset
+end

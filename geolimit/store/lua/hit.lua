@@ -1,0 +1,54 @@
+-- hit: decide a batch of requests atomically; each request is all-or-nothing
+-- over its rules and consumes nothing unless every rule allows it.
+-- KEYS per request: registry, changed, lease, then one data key per rule.
+-- ARGV: now_us|'', region, nonce, nreq, then per request:
+--   consume (1|0), cost, nrules, then per rule: limit, res_us, N, M, ttl_ms, approx (1|0)
+-- Returns per request: allowed, then per rule: allowed, used, retry_us, reset_us.
+local now = clock(ARGV[1])
+local region, nonce = ARGV[2], ARGV[3]
+local out = {}
+local ai, ki = 5, 1
+for _ = 1, tonumber(ARGV[4]) do
+  local consume, cost, nr = ARGV[ai] == '1', tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
+  ai = ai + 3
+  local reg, chg, lease = KEYS[ki], KEYS[ki + 1], KEYS[ki + 2]
+  ki = ki + 3
+  local res_all, rs = true, {}
+  for j = 1, nr do
+    local limit, res, N, M = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2]), tonumber(ARGV[ai + 3])
+    local approx = ARGV[ai + 5] == '1'
+    local c = bucket(now, res)
+    local sums, futs, h, own, stale = load_window(KEYS[ki + j - 1], c, N, M)
+    if not admits(sums, N, now, cost, limit, res, approx) then res_all = false end
+    rs[j] = {sums, futs, N, limit, res, approx, c, M, ARGV[ai + 4], h, own, stale}
+    ai = ai + 6
+  end
+  local consumed = res_all and consume
+  if consumed and cost > 0 then
+    ensure_registry(reg, region, nonce)
+    local track = call('EXISTS', lease) == 1
+    for j = 1, nr do
+      local key, r = KEYS[ki + j - 1], rs[j]
+      local c, M, h = r[7], r[8], r[10]
+      if h == nil or c > h then
+        if #r[12] > 0 then chunked('HDEL', key, r[12], 1000) end
+        call('HSET', key, 'h', c, c % M, r[11] + cost)
+        call('PEXPIRE', key, r[9])
+      else
+        call('HSET', key, c % M, r[11] + cost)
+      end
+      if track then call('HSETNX', chg, key, c) end
+    end
+  end
+  out[#out + 1] = res_all and 1 or 0
+  for j = 1, nr do
+    local r = rs[j]
+    local ok, used, retry, reset = evaluate(r[1], r[2], r[3], now, cost, r[4], r[5], r[6], consumed)
+    out[#out + 1] = ok and 1 or 0
+    out[#out + 1] = used
+    out[#out + 1] = retry
+    out[#out + 1] = reset
+  end
+  ki = ki + nr
+end
+return out

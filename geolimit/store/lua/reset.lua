@@ -1,0 +1,43 @@
+-- reset: forget every count this region can see for the given keys, by raising
+-- each slot's floor to its value (a replicated, max-merged reset floor).
+-- Concurrent hits that another region has not yet replicated still count.
+-- KEYS: registry, changed, lease, then the data keys.
+-- ARGV: now_us|'', region, nonce, then per key: res_us, N, M.
+-- Returns per key the count in the window that was forgotten.
+local now = clock(ARGV[1])
+local track = call('EXISTS', KEYS[3]) == 1
+local out = {}
+for j = 4, #KEYS do
+  local key = KEYS[j]
+  local a = 4 + (j - 4) * 3
+  local res, N, M = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local c = bucket(now, res)
+  local sums, _, h, _, stale = load_window(key, c, N, M)
+  local before = 0
+  for d = 0, N do before = before + sums[d] end
+  out[#out + 1] = before
+  if h ~= nil then
+    if #stale > 0 then chunked('HDEL', key, stale, 1000) end
+    local flat = call('HGETALL', key)
+    local floors, set = {}, {}
+    for i = 1, #flat, 2 do
+      local f = tonumber(flat[i])
+      if f and f < 0 then floors[-f - 1] = tonumber(flat[i + 1]) end
+    end
+    for i = 1, #flat, 2 do
+      local f = tonumber(flat[i])
+      if f and f >= 0 then
+        local v = tonumber(flat[i + 1])
+        if v > (floors[f] or 0) then
+          set[#set + 1] = -f - 1
+          set[#set + 1] = v
+        end
+      end
+    end
+    if #set > 0 then
+      chunked('HSET', key, set, 1000)
+      if track then call('HSET', KEYS[2], key, -1) end
+    end
+  end
+end
+return out

@@ -1,0 +1,191 @@
+"""Encoding requests for the Lua scripts and decoding their replies (no I/O).
+
+The sync and async stores share this module, so both send byte-identical
+script calls.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from geolimit.core.decision import Decision, combine, rule_decision
+from geolimit.core.keys import KeyLayout
+from geolimit.core.rule import Rule
+from geolimit.errors import RequestError, StorageError
+
+__all__ = [
+    "HitRequest",
+    "RequestBuilder",
+    "RulePlan",
+    "build_request",
+    "decode_hit",
+    "encode_hit",
+    "encode_hit_resp",
+    "encode_reset",
+    "pack_command",
+    "validate_cost",
+]
+
+MAX_COST = 2**50
+
+
+@dataclass(frozen=True, slots=True)
+class HitRequest:
+    """One request (one subject, one or more rules) ready for ``hit.lua``."""
+
+    rules: tuple[Rule, ...]
+    shard: int
+    keys: tuple[bytes, ...]  # registry, changed, lease, then one data key per rule
+    args: tuple[bytes, ...]  # consume, cost, nrules, then 6 per rule
+    resp_keys: bytes  # ``keys`` RESP-encoded, for the pre-packed path
+    resp_args: bytes  # ``args`` RESP-encoded
+
+
+def validate_cost(cost: object) -> int:
+    if isinstance(cost, bool) or not isinstance(cost, int):
+        raise RequestError(f"cost must be an integer, got {cost!r}")
+    if cost < 0 or cost >= MAX_COST:
+        raise RequestError(f"cost must be between 0 and 2**50, got {cost}")
+    return cost
+
+
+def _bulk(part: bytes) -> bytes:
+    return b"$%d\r\n%b\r\n" % (len(part), part)
+
+
+@dataclass(frozen=True, slots=True)
+class RulePlan:
+    """A rule's script arguments, encoded once."""
+
+    rule: Rule
+    name: bytes
+    args: tuple[bytes, ...]
+    resp: bytes
+
+    @classmethod
+    def of(cls, rule: Rule) -> RulePlan:
+        args = (
+            b"%d" % rule.limit,
+            b"%d" % rule.resolution_us,
+            b"%d" % rule.buckets,
+            b"%d" % rule.ring,
+            b"%d" % rule.ttl_ms,
+            b"1" if rule.mode == "approximate" else b"0",
+        )
+        return cls(rule, rule.name.encode(), args, b"".join(map(_bulk, args)))
+
+
+_FLAGS = {True: (b"1", b"$1\r\n1\r\n"), False: (b"0", b"$1\r\n0\r\n")}
+
+
+class RequestBuilder:
+    """Builds :class:`HitRequest` objects for one key layout, caching per-shard keys."""
+
+    def __init__(self, layout: KeyLayout) -> None:
+        self.layout = layout
+        self._aux: dict[int, tuple[tuple[bytes, bytes, bytes], bytes]] = {}
+
+    def build(self, plans: Sequence[RulePlan], subject: bytes, cost: int, consume: bool) -> HitRequest:
+        layout = self.layout
+        shard = zlib.crc32(subject) % layout.shards
+        aux = self._aux.get(shard)
+        if aux is None:
+            keys = layout.aux_keys(shard)
+            aux = self._aux[shard] = (keys, b"".join(map(_bulk, keys)))
+        tag = layout.tag(shard) + b":"
+        data_keys = tuple(tag + p.name + b":" + subject for p in plans)
+        flag, flag_resp = _FLAGS[consume]
+        cost_b = b"%d" % cost
+        count_b = b"%d" % len(plans)
+        args: tuple[bytes, ...] = (flag, cost_b, count_b)
+        resp = [flag_resp, _bulk(cost_b), _bulk(count_b)]
+        for plan in plans:
+            args += plan.args
+            resp.append(plan.resp)
+        return HitRequest(
+            tuple(p.rule for p in plans),
+            shard,
+            aux[0] + data_keys,
+            args,
+            aux[1] + b"".join(map(_bulk, data_keys)),
+            b"".join(resp),
+        )
+
+
+def build_request(
+    layout: KeyLayout, rules: Sequence[Rule], subject: bytes, cost: int, consume: bool
+) -> HitRequest:
+    """One-off form of :meth:`RequestBuilder.build`."""
+    return RequestBuilder(layout).build([RulePlan.of(r) for r in rules], subject, cost, consume)
+
+
+def encode_hit(
+    requests: Sequence[HitRequest], now_us: int | None, region: bytes, nonce: bytes
+) -> list[bytes]:
+    """EVALSHA arguments after the SHA: numkeys, keys..., args..."""
+    keys: list[bytes] = []
+    args: list[bytes] = [b"" if now_us is None else b"%d" % now_us, region, nonce, b"%d" % len(requests)]
+    for request in requests:
+        keys += request.keys
+        args += request.args
+    return [b"%d" % len(keys), *keys, *args]
+
+
+def encode_hit_resp(
+    requests: Sequence[HitRequest], now_us: int | None, region: bytes, nonce: bytes
+) -> tuple[int, bytes]:
+    """The call of :func:`encode_hit` as ``(argument count, RESP body)``, pre-packed."""
+    nkeys = sum(len(r.keys) for r in requests)
+    nargs = sum(len(r.args) for r in requests)
+    body = b"".join(
+        (
+            _bulk(b"%d" % nkeys),
+            *(r.resp_keys for r in requests),
+            _bulk(b"" if now_us is None else b"%d" % now_us),
+            _bulk(region),
+            _bulk(nonce),
+            _bulk(b"%d" % len(requests)),
+            *(r.resp_args for r in requests),
+        )
+    )
+    return 1 + nkeys + 4 + nargs, body
+
+
+def encode_reset(
+    layout: KeyLayout, rules: Sequence[Rule], subject: bytes, now_us: int | None, region: bytes, nonce: bytes
+) -> list[bytes]:
+    shard = layout.shard_of(subject)
+    keys = [*layout.aux_keys(shard), *(layout.data_key(r.name, subject) for r in rules)]
+    args = [b"" if now_us is None else b"%d" % now_us, region, nonce]
+    for rule in rules:
+        args += (b"%d" % rule.resolution_us, b"%d" % rule.buckets, b"%d" % rule.ring)
+    return [b"%d" % len(keys), *keys, *args]
+
+
+def decode_hit(reply: object, requests: Sequence[HitRequest]) -> list[Decision]:
+    """Turn ``hit.lua``'s flat integer reply into one :class:`Decision` per request."""
+    if not isinstance(reply, list):
+        raise StorageError(f"unexpected reply from hit script: {reply!r}")
+    out: list[Decision] = []
+    i = 0
+    try:
+        for request in requests:
+            i += 1  # request-level allowed flag; combine() recomputes it
+            results = []
+            for rule in request.rules:
+                results.append(rule_decision(rule, reply[i], reply[i + 1], reply[i + 2], reply[i + 3]))
+                i += 4
+            out.append(combine(results))
+    except (IndexError, TypeError) as exc:
+        raise StorageError(f"malformed reply from hit script: {reply!r}") from exc
+    return out
+
+
+def pack_command(*parts: bytes) -> bytes:
+    """RESP-encode a command whose arguments are already bytes."""
+    chunks = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        chunks.append(b"$%d\r\n%b\r\n" % (len(part), part))
+    return b"".join(chunks)

@@ -1,0 +1,95 @@
+"""Rules and rate strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from geolimit import ConfigError, Rule, parse_rate
+from geolimit.core.rule import parse_duration
+
+
+def test_default_resolution_is_a_tenth_of_the_window() -> None:
+    rule = Rule("api", limit=5, window=10)
+    assert rule.resolution == 1.0
+    assert rule.buckets == 10
+    assert rule.window_us == 10_000_000
+
+
+@pytest.mark.parametrize(
+    ("text", "limit", "window"),
+    [
+        ("100/minute", 100, 60.0),
+        ("1000/10s", 1000, 10.0),
+        ("5 per hour", 5, 3600.0),
+        ("10/2m", 10, 120.0),
+        ("10 / 2 minutes", 10, 120.0),
+        ("7/250ms", 7, 0.25),
+        ("3 PER Day", 3, 86400.0),
+        ("1/1.5s", 1, 1.5),
+    ],
+)
+def test_rate_strings(text: str, limit: int, window: float) -> None:
+    assert parse_rate(text) == (limit, window)
+    rule = Rule.from_string("r", text)
+    assert (rule.limit, rule.window) == (limit, window)
+
+
+@pytest.mark.parametrize("text", ["", "100", "abc/minute", "10/fortnight", "-1/s", "10//s", "10/0s", "1e3/s"])
+def test_bad_rate_strings_quote_the_text(text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Rule.from_string("r", text)
+    assert repr(text) in str(info.value)
+
+
+def test_resolution_may_be_a_duration_string() -> None:
+    rule = Rule.from_string("api", "1000/10s", resolution="500ms")
+    assert rule.buckets == 20
+
+
+def test_window_must_be_a_multiple_of_the_resolution() -> None:
+    with pytest.raises(ConfigError, match="whole multiple of resolution"):
+        Rule("api", 10, window=10, resolution=3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"name": "has space", "limit": 1, "window": 1}, "invalid rule name"),
+        ({"name": "a:b", "limit": 1, "window": 1}, "invalid rule name"),
+        ({"name": "", "limit": 1, "window": 1}, "invalid rule name"),
+        ({"name": "r", "limit": -1, "window": 1}, "limit must be an integer >= 0"),
+        ({"name": "r", "limit": 1.5, "window": 1}, "limit must be an integer"),
+        ({"name": "r", "limit": True, "window": 1}, "limit must be an integer"),
+        ({"name": "r", "limit": 1, "window": 0}, "positive number of seconds"),
+        ({"name": "r", "limit": 1, "window": float("nan")}, "positive number of seconds"),
+        ({"name": "r", "limit": 1, "window": "10"}, "must be a number of seconds"),
+        ({"name": "r", "limit": 1, "window": 1, "resolution": 0.0001}, "below the minimum of 1 ms"),
+        ({"name": "r", "limit": 1, "window": 86400, "resolution": 1}, "buckets per window"),
+        ({"name": "r", "limit": 1, "window": 1, "mode": "fuzzy"}, "mode must be"),
+    ],
+)
+def test_invalid_rules_have_clear_errors(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Rule(**kwargs)  # type: ignore[arg-type]
+
+
+def test_durations() -> None:
+    assert parse_duration("minute") == 60
+    assert parse_duration("2h") == 7200
+    with pytest.raises(ConfigError, match="'5 parsecs'"):
+        parse_duration("5 parsecs")
+
+
+def test_ring_covers_window_and_clock_skew() -> None:
+    rule = Rule("api", 1000, 10, 1)
+    assert rule.future == 2  # 2 s of skew at 1 s buckets
+    assert rule.ring == rule.buckets + rule.future + 1
+    assert rule.ttl_ms >= (rule.window + (rule.future + 1) * 1.0) * 1000
+
+
+def test_limit_changes_keep_the_structure() -> None:
+    rule = Rule("api", 10, 60)
+    bigger = rule.with_limit(20)
+    assert bigger.structure == rule.structure
+    assert bigger.limit == 20
+    assert rule.describe() == "10/60s (6s buckets, strict)"

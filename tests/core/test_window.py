@@ -1,0 +1,159 @@
+"""Window maths and the decision rule, against an exact sliding-log oracle."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from geolimit.core.model import ModelStore
+from geolimit.core.rule import Rule
+from geolimit.core.window import bucket_at, evaluate, field_of, read_key, split_field, window_sums
+
+SUBJECT = b"user:42"
+T0 = 1_700_000_000_000_000
+
+events = st.lists(
+    st.tuples(st.integers(0, 1_500_000), st.integers(0, 4)),  # (gap in us, cost)
+    min_size=1,
+    max_size=120,
+)
+rules = st.builds(
+    lambda limit, buckets, res_ms: Rule("r", limit, buckets * res_ms / 1000, res_ms / 1000),
+    st.integers(0, 12),
+    st.integers(1, 8),
+    st.sampled_from([1, 7, 100, 250, 1000]),
+)
+
+
+def oracle_max_in_any_window(admitted: list[tuple[int, int]], window_us: int) -> int:
+    """Exact: the most cost admitted in any closed window [t - W, t]."""
+    worst = 0
+    for t, _ in admitted:
+        worst = max(worst, sum(c for s, c in admitted if t - window_us <= s <= t))
+    return worst
+
+
+@settings(max_examples=300, deadline=None)
+@given(rules, events)
+def test_strict_mode_never_admits_more_than_the_limit_in_any_window(rule: Rule, trace: list[tuple[int, int]]) -> None:
+    store = ModelStore("a")
+    now = T0
+    admitted: list[tuple[int, int]] = []
+    for gap, cost in trace:
+        now += gap
+        (result,) = store.hit([rule], SUBJECT, cost, now)
+        if result.allowed and cost:
+            admitted.append((now, cost))
+    assert oracle_max_in_any_window(admitted, rule.window_us) <= rule.limit
+
+
+@settings(max_examples=300, deadline=None)
+@given(rules, events)
+def test_retry_after_is_exact(rule: Rule, trace: list[tuple[int, int]]) -> None:
+    store = ModelStore("a")
+    now = T0
+    for gap, cost in trace:
+        now += gap
+        (result,) = store.hit([rule], SUBJECT, cost, now)
+        if result.allowed or result.retry_after_us < 0:
+            continue
+        wait = result.retry_after_us
+        assert wait > 0
+        (later,) = store.hit([rule], SUBJECT, cost, now + wait, consume=False)
+        assert later.allowed, "waiting retry_after must be enough"
+        (earlier,) = store.hit([rule], SUBJECT, cost, now + wait - 1, consume=False)
+        assert not earlier.allowed, "retry_after must not be longer than needed"
+
+
+@settings(max_examples=200, deadline=None)
+@given(rules, events)
+def test_reset_after_is_when_the_window_empties(rule: Rule, trace: list[tuple[int, int]]) -> None:
+    store = ModelStore("a")
+    now = T0
+    for gap, cost in trace:
+        now += gap
+        store.hit([rule], SUBJECT, cost, now)
+    (peek,) = store.hit([rule], SUBJECT, 0, now, consume=False)
+    sums, _ = store.sums(rule, SUBJECT, now + peek.reset_after_us)
+    assert sum(sums) == 0
+    if peek.reset_after_us:
+        sums, _ = store.sums(rule, SUBJECT, now + peek.reset_after_us - 1)
+        assert sum(sums) > 0
+
+
+def test_a_cost_larger_than_the_limit_can_never_pass() -> None:
+    rule = Rule("r", 3, 10)
+    (result,) = ModelStore("a").hit([rule], SUBJECT, 4, T0)
+    assert not result.allowed
+    assert result.retry_after_us == -1
+
+
+def test_window_edge_burst_is_refused() -> None:
+    """limit at the end of one window plus limit at the start of the next is refused."""
+    rule = Rule("r", 10, 10, 1)
+    store = ModelStore("a")
+    end_of_window = T0 + 9_999_000
+    assert all(r.allowed for _ in range(10) for r in store.hit([rule], SUBJECT, 1, end_of_window))
+    start_of_next = T0 + 10_001_000
+    (result,) = store.hit([rule], SUBJECT, 1, start_of_next)
+    assert not result.allowed
+
+
+def test_approximate_mode_weights_the_oldest_bucket() -> None:
+    rule = Rule("r", 10, 10, 1, mode="approximate")
+    strict = Rule("r", 10, 10, 1)
+    now = 1_700_000_000_000_000  # on a bucket boundary
+    sums = [0] * 10 + [10]  # the oldest bucket holds 10
+    half_gone = now + 500_000
+    assert not evaluate(sums, {}, half_gone, 1, strict.limit, strict.resolution_us).allowed
+    approx = evaluate(sums, {}, half_gone, 1, rule.limit, rule.resolution_us, approximate=True)
+    assert approx.allowed  # 10 * 0.5 + 1 <= 10
+    assert approx.used == 6
+
+
+def test_multi_rule_denial_consumes_nothing_in_the_model() -> None:
+    wide, narrow = Rule("wide", 10, 10), Rule("narrow", 1, 10)
+    store = ModelStore("a")
+    assert all(r.allowed for r in store.hit([wide, narrow], SUBJECT, 1, T0))
+    second = store.hit([wide, narrow], SUBJECT, 1, T0)
+    assert [r.allowed for r in second] == [True, False]
+    assert second[0].used == 1  # wide was not charged for the refused request
+
+
+def test_ring_positions_round_trip() -> None:
+    ring = 13
+    for slot in range(4):
+        for bucket in range(1000, 1030):
+            f = field_of(slot, bucket, ring)
+            is_floor, s, pos = split_field(f, ring)
+            assert (is_floor, s) == (False, slot)
+            assert bucket_at(pos, 1029, ring) == bucket if bucket > 1029 - ring else True
+
+
+def test_read_key_classifies_live_future_and_stale_fields() -> None:
+    ring, n = 13, 10
+    head = 1000
+    fields = {b"h": b"%d" % head}
+    for bucket, value in ((1000, 5), (995, 3), (990, 2), (989, 9)):
+        fields[b"%d" % field_of(0, bucket, ring)] = b"%d" % value
+    fields[b"%d" % field_of(1, 1000, ring)] = b"4"
+    fields[b"%d" % -(field_of(1, 1000, ring) + 1)] = b"1"  # floor of slot 1 at bucket 1000
+    view = read_key(fields, 1000, n, ring)
+    assert view.sums[0] == 5 + 3  # own 5 + (4 - floor 1)
+    assert view.sums[5] == 3
+    assert view.sums[10] == 2
+    assert view.own == 5
+    assert sum(view.sums) == 13  # 989 is outside the window
+    later = read_key(fields, 1003, n, ring)  # positions of 1001..1003 are reused: 988..990 stale
+    assert b"%d" % field_of(0, 990, ring) in later.stale
+    assert b"%d" % field_of(0, 989, ring) in later.stale
+    early = read_key(fields, 999, n, ring)  # the head is one bucket in the future
+    assert early.future == {1000: 8}
+
+
+def test_window_sums_split() -> None:
+    sums, future = window_sums({100: 1, 95: 2, 90: 3, 89: 4, 101: 5}, 100, 10)
+    assert sums[0] == 1
+    assert sums[5] == 2
+    assert sums[10] == 3
+    assert future == {101: 5}
