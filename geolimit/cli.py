@@ -29,6 +29,80 @@ def _cmd_try(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from geolimit.server.run import run_agent
+
+    return run_agent(args.config, args.flush_timeout)
+
+
+def _read_token(path: str) -> str:
+    """The API token in ``path`` (surrounding whitespace stripped); ConfigError naming the file."""
+    from pathlib import Path
+
+    from geolimit.errors import ConfigError
+
+    try:
+        token = Path(path).expanduser().read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not printable ASCII"
+        raise ConfigError(f"--token-file {path!r}: cannot read the token: {reason}") from None
+    if not token or any(c.isspace() for c in token):
+        raise ConfigError(f"--token-file {path!r} must hold one token (no spaces)")
+    return token
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    """Ask an agent for a decision.
+
+    Exit codes: 0 allowed, 1 denied, 2 refused request (HTTP 4xx: bad request,
+    unknown rule, missing or wrong token, unreadable --token-file), 3 agent
+    unreachable or failing (HTTP 5xx, not JSON).
+    """
+    import json
+    import urllib.error
+    import urllib.request
+
+    from geolimit.errors import ConfigError
+
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    if args.token_file:
+        try:
+            headers["Authorization"] = f"Bearer {_read_token(args.token_file)}"
+        except ConfigError as exc:
+            print(f"geolimit: error: {exc}", file=sys.stderr)
+            return 2
+    body = {"rules" if len(args.rule) > 1 else "rule": args.rule if len(args.rule) > 1 else args.rule[0],
+            "subject": args.subject, "cost": args.cost}
+    path = "/v1/peek" if args.peek else "/v1/check"
+    request = urllib.request.Request(
+        args.agent.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers, method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as resp:
+            decision = json.loads(resp.read())
+        retry, reset_after = decision["retry_after"], float(decision["reset_after"])
+        allowed, limit, remaining = bool(decision["allowed"]), decision["limit"], decision["remaining"]
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode("utf-8", "replace")
+        hint = " (pass the agent's API token with --token-file)" if exc.code == 401 else ""
+        print(f"geolimit: agent answered HTTP {exc.code}: {detail}{hint}", file=sys.stderr)
+        return 2 if 400 <= exc.code < 500 else 3
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"geolimit: agent {args.agent} unreachable: {exc}", file=sys.stderr)
+        return 3
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"geolimit: agent {args.agent} sent an unexpected answer: {exc!r}", file=sys.stderr)
+        return 3
+    if args.json:
+        print(json.dumps(decision))
+    else:
+        print(
+            f"{'allowed' if allowed else 'denied'}  limit={limit} remaining={remaining} "
+            f"retry_after={'never' if retry is None else f'{float(retry):.3f}s'} reset_after={reset_after:.3f}s"
+        )
+    return 0 if allowed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="geolimit", description="Multi-region rate limiter on Redis.")
     parser.add_argument("--version", action="version", version=f"geolimit {__version__}")
@@ -43,6 +117,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rate", help="rate string such as 5/10s or '100 per minute'")
     p.add_argument("subject", help="who is limited, such as user:42")
     p.set_defaults(handler=_cmd_try)
+
+    p = sub.add_parser("agent", help="run a region's replication agent and HTTP API")
+    p.add_argument("--config", required=True, help="region TOML file")
+    p.add_argument("--flush-timeout", type=float, default=2.0, help="seconds to deliver outboxes on SIGTERM")
+    p.set_defaults(handler=_cmd_agent)
+
+    p = sub.add_parser(
+        "check", help="ask an agent for a decision (exit 0 allowed, 1 denied)",
+        description="Ask an agent's HTTP API for a decision. Exit codes: 0 allowed, 1 denied, "
+        "2 refused request (bad arguments, unknown rule, missing or wrong token), 3 agent unreachable or failing.",
+    )
+    p.add_argument("--agent", default="http://127.0.0.1:7400", help="agent URL (default: %(default)s)")
+    p.add_argument("--cost", type=int, default=1)
+    p.add_argument("--peek", action="store_true", help="do not consume")
+    p.add_argument("--json", action="store_true", help="print the JSON decision")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--token-file", help="file holding the agent's API token (region.api_token_file)")
+    p.add_argument("rule", nargs="+", help="rule name(s); several are all-or-nothing")
+    p.add_argument("subject")
+    p.set_defaults(handler=_cmd_check)
     return parser
 
 

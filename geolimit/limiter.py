@@ -101,19 +101,22 @@ class Limiter(LimiterBase):
         """Would a hit of ``cost`` be allowed now? Consumes nothing."""
         return self._decide([self._request(rules, subject, cost, False)])[0]
 
-    def hit_many(self, requests: Sequence[tuple[RuleSpec, str | bytes, int]]) -> list[Decision]:
-        """Decide several independent requests in as few script calls as possible."""
+    def hit_many(
+        self, requests: Sequence[tuple[RuleSpec, str | bytes, int]], *, max_batch: int = 128
+    ) -> list[Decision]:
+        """Decide several independent requests with one script call per ``max_batch``
+        requests (per hash slot on a cluster), so Redis is never blocked for long."""
         built = [self._request(rules, subject, cost, True) for rules, subject, cost in requests]
-        if not isinstance(self._store, ClusterStore):
-            return self._decide(built)
-        out: dict[int, Decision] = {}
-        by_shard: dict[int, list[int]] = {}
+        groups: dict[int, list[int]] = {}
         for i, request in enumerate(built):
-            by_shard.setdefault(request.shard, []).append(i)
-        for indices in by_shard.values():
-            for i, decision in zip(indices, self._decide([built[i] for i in indices]), strict=True):
-                out[i] = decision
-        return [out[i] for i in range(len(built))]
+            groups.setdefault(request.shard if isinstance(self._store, ClusterStore) else 0, []).append(i)
+        out: list[Decision | None] = [None] * len(built)
+        for indices in groups.values():
+            for start in range(0, len(indices), max_batch):
+                chunk = indices[start : start + max_batch]
+                for i, decision in zip(chunk, self._decide([built[i] for i in chunk]), strict=True):
+                    out[i] = decision
+        return [d for d in out if d is not None]
 
     def reset(self, rules: RuleSpec, subject: str | bytes) -> None:
         """Forget the counts of ``subject`` for the given rules, in every region.

@@ -5,6 +5,7 @@ Same contract as :mod:`geolimit.store.redis_store`, with ``await``.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Protocol
 
 import redis.asyncio
@@ -25,6 +26,9 @@ class AsyncStore(Protocol):
     clustered: bool
 
     async def run(self, script: LuaScript, args: list[bytes]) -> Any: ...
+
+    async def run_many(self, script: LuaScript, calls: list[list[bytes]]) -> list[Any]:
+        """Several calls of one script; each reply or the exception it raised."""
 
     async def read(self, keys: list[bytes]) -> list[dict[bytes, bytes]]: ...
 
@@ -89,6 +93,42 @@ class AsyncRedisStore:
             except NoScriptError as exc:  # pragma: no cover
                 raise StorageError(f"Redis lost script {script.name} right after loading it") from exc
 
+    async def run_many(self, script: LuaScript, calls: list[list[bytes]]) -> list[Any]:
+        """Pipelined on one connection: one round trip for all calls."""
+        if not calls:
+            return []
+        packed = [pack_command(b"EVALSHA", script.sha, *args) for args in calls]
+        replies = await self._pipeline(packed)
+        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+        if missing:
+            await self._roundtrip(pack_command(b"SCRIPT", b"LOAD", script.source))
+            for i, reply in zip(missing, await self._pipeline([packed[i] for i in missing]), strict=True):
+                replies[i] = reply
+        return replies
+
+    async def _pipeline(self, packed: list[bytes]) -> list[Any]:
+        conn = self._free.pop() if self._free else self._pool.connection_class(**self._pool.connection_kwargs)
+        replies: list[Any] = []
+        try:
+            await conn.send_packed_command([b"".join(packed)], check_health=False)
+            for _ in packed:
+                try:
+                    replies.append(await conn.read_response())
+                except NoScriptError as exc:
+                    replies.append(exc)
+                except RedisError as exc:
+                    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+                        raise
+                    replies.append(StorageError(f"Redis error: {describe_error(exc)}"))
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            await conn.disconnect()
+            raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
+        except BaseException:
+            await conn.disconnect()
+            raise
+        self._free.append(conn)
+        return replies
+
     async def read(self, keys: list[bytes]) -> list[dict[bytes, bytes]]:
         try:
             async with self._client.pipeline(transaction=True) as pipe:
@@ -126,6 +166,15 @@ class AsyncClusterStore:
                 return await self._cluster.evalsha(sha, *args)  # type: ignore[arg-type]
         except RedisError as exc:
             raise StorageError(f"Redis Cluster error: {describe_error(exc)}") from exc
+
+    async def run_many(self, script: LuaScript, calls: list[list[bytes]]) -> list[Any]:
+        async def one(args: list[bytes]) -> Any:
+            try:
+                return await self.run(script, args)
+            except StorageError as exc:
+                return exc
+
+        return list(await asyncio.gather(*(one(args) for args in calls)))
 
     async def read(self, keys: list[bytes]) -> list[dict[bytes, bytes]]:
         try:

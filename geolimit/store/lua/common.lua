@@ -29,11 +29,17 @@ end
 -- incarnation; a fresh (or wiped) registry starts a new incarnation, so counts
 -- that a lost Redis held come back from peers under the old slot, never merged
 -- into the new one.
-local function ensure_registry(reg, region, nonce)
+-- candidate: an unused incarnation id chosen by the caller (the agent picks a
+-- fresh one per round, so the shards it creates together share it), or nil.
+local function ensure_registry(reg, region, nonce, candidate)
   local own = call('HGET', reg, '@')
   if not own then
-    local t = call('TIME')
-    own = string.format('%x%05x', tonumber(t[1]), tonumber(t[2])) .. nonce
+    if candidate and candidate ~= '' then
+      own = candidate
+    else
+      local t = call('TIME')
+      own = string.format('%x%05x', tonumber(t[1]), tonumber(t[2])) .. nonce
+    end
     call('HSET', reg, '@', own, '#', 1, region .. '/' .. own, 0)
   end
   return own

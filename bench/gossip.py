@@ -1,0 +1,200 @@
+"""Replication benchmarks: P5 convergence, P6 bytes on the wire, P8 round cost.
+
+    python bench/gossip.py [--quick] [--json PATH]
+
+Starts its own redis-servers (embedded) and real aiohttp agents on loopback.
+Every figure is printed with a same-run baseline:
+
+* P5: time from the last write in one region until both other regions report the
+  exact total, with agents gossiping every 100 ms; the bound is 2 intervals plus
+  one RTT (the RTT of the agents' HTTP path is measured in the same run).
+* P6: bytes per changed (bucket, slot, value) cell, beyond the key's own bytes;
+  the baseline is the same cells as JSON.
+* P8: one full round with 100k changed keys (drain, read, encode, send, merge at
+  the peer, acknowledgement); the baseline is bare redis-py writing the same
+  100k cells with a pipelined HSET, and the budget is 50% of a 1 s interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import statistics
+import sys
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from geolimit import AsyncLimiter, Rule
+from geolimit.replication import wire
+from geolimit.server.agent import Agent
+from geolimit.server.config import AgentConfig, PeerConfig
+from geolimit.store.embedded import EmbeddedRedis
+
+API = Rule("api", 10**9, 10, 1)
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def quantiles(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    return {"n": len(xs), "p50": statistics.median(xs), "p90": pick(0.9), "p99": pick(0.99), "max": xs[-1]}
+
+
+async def start_regions(names: list[str], interval: float, run: bool, stack: AsyncExitStack) -> dict[str, Agent]:
+    secret = secrets.token_bytes(32)
+    agents: dict[str, Agent] = {}
+    for name in names:
+        server = stack.enter_context(EmbeddedRedis())
+        config = AgentConfig(
+            region=name, redis_url=server.url, listen=("127.0.0.1", 0), secret=secret,
+            peers=tuple(PeerConfig(p, "http://127.0.0.1:9") for p in names if p != name),
+            rules=(API,), interval=interval, max_message_bytes=64 * 1024 * 1024,
+        )
+        agent = Agent(config)
+        await agent.listen()
+        stack.push_async_callback(agent.abort)
+        agents[name] = agent
+    for agent in agents.values():
+        for peer, other in agents.items():
+            if other is not agent:
+                agent.set_peer_url(peer, other.url)
+        if run:
+            await agent.start()
+    return agents
+
+
+async def http_rtt(url: str, n: int = 200) -> float:
+    async with aiohttp.ClientSession() as http:
+        samples = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            async with http.get(url + "/healthz") as resp:
+                await resp.read()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+async def p5(quick: bool) -> dict[str, Any]:
+    interval = 0.1
+    trials = 20 if quick else 100
+    async with AsyncExitStack() as stack:
+        agents = await start_regions(["a", "b", "c"], interval, True, stack)
+        limiters = {n: AsyncLimiter.from_url(a.config.redis_url, region=n, rules=[API]) for n, a in agents.items()}
+        for lim in limiters.values():
+            stack.push_async_callback(lim.aclose)
+        deadline = time.monotonic() + 30
+        while not all(a.readiness()[0] for a in agents.values()):  # noqa: ASYNC110 - polling with a deadline
+            if time.monotonic() > deadline:
+                raise RuntimeError("agents not ready after 30 s")
+            await asyncio.sleep(0.05)
+        rtt = await http_rtt(agents["b"].url)
+        samples: list[float] = []
+        for trial in range(trials):
+            subject = f"p5:{trial}"
+            for _ in range(5):
+                await limiters["a"].hit("api", subject)
+            last_write = time.monotonic()
+            while True:
+                totals = [(await limiters[n].usage("api", subject)).total for n in ("b", "c")]
+                if totals == [5, 5]:
+                    samples.append(time.monotonic() - last_write)
+                    break
+                if time.monotonic() - last_write > 10:
+                    raise RuntimeError(f"trial {trial} did not converge: {totals}")
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(interval * (trial % 7) / 7)  # spread writes over the round phase
+    bound = 2 * interval + rtt
+    q = quantiles(samples)
+    return {"interval_s": interval, "rtt_s": rtt, "bound_s": bound, **q,
+            "within_bound": sum(s <= bound for s in samples) / len(samples), "ok": q["p99"] <= bound}
+
+
+def p6() -> dict[str, Any]:
+    bucket = int(time.time())
+    subjects = [f"user:{i}".encode() for i in range(5000)]
+    cells = [("api", s, bucket - b, "us-east/6b02526ee9728a1b2", 37 + 97 * b, 0) for s in subjects for b in range(3)]
+    body = wire.encode(wire.Message(kind="delta", sender="us-east", rules={"api": API.structure}, cells=cells))
+    key_bytes = sum(len(s) + 1 for s in subjects) + 2 * len(subjects)  # subject + bin header, key entry and rule index
+    per_cell = (len(body) - key_bytes) / len(cells)
+    as_json = json.dumps([[c[0], c[1].decode(), c[2], c[3], c[4], c[5]] for c in cells]).encode()
+    return {"cells": len(cells), "keys": len(subjects), "bytes": len(body), "per_cell_bytes": per_cell,
+            "json_bytes": len(as_json), "json_per_cell": len(as_json) / len(cells), "ok": per_cell <= 16}
+
+
+async def p8(quick: bool) -> dict[str, Any]:
+    keys = 20_000 if quick else 100_000
+    rounds = 3 if quick else 5
+    async with AsyncExitStack() as stack:
+        agents = await start_regions(["a", "b"], 1.0, False, stack)
+        a, b = agents["a"], agents["b"]
+        await a.step()
+        await b.step()
+        lim = a.require_limiter()
+        durations: list[float] = []
+        phases: list[dict[str, float]] = []
+        for _ in range(rounds):
+            for start in range(0, keys, 2000):
+                await lim.hit_many([("api", f"k:{i}", 1) for i in range(start, start + 2000)])
+            t0 = time.perf_counter()
+            await a.step()  # drain, encode, send; b merges and acknowledges
+            durations.append(time.perf_counter() - t0)
+            phases.append({"sent": a.engine.peers["b"].cells_sent if a.engine else 0})
+        peer = a.engine.peers["b"] if a.engine else None
+        for probe in ("k:0", f"k:{keys - 1}"):
+            mine = (await lim.usage("api", probe)).by_region
+            theirs = (await b.require_limiter().usage("api", probe)).by_region
+            if mine != theirs:
+                raise RuntimeError(f"{probe}: a sees {mine}, b sees {theirs}; peer state: {peer}")
+        outbox_left = len(peer.outbox) if peer else -1
+        client = redis.Redis.from_url(b.config.redis_url)
+        t0 = time.perf_counter()
+        pipe = client.pipeline(transaction=False)
+        for i in range(keys):
+            pipe.hset(f"bench:{i}", "5", i)
+        pipe.execute()
+        baseline = time.perf_counter() - t0
+        client.close()
+    med = statistics.median(durations)
+    return {"keys": keys, "rounds": durations, "median_s": med, "budget_s": 0.5,
+            "baseline_pipelined_hset_s": baseline, "ratio_to_baseline": med / baseline,
+            "outbox_left": outbox_left, "ok": med <= 0.5}
+
+
+async def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer trials and 20k keys for P8")
+    parser.add_argument("--json", help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    results = {"P6": p6(), "P5": await p5(args.quick), "P8": await p8(args.quick)}
+    r5, r6, r8 = results["P5"], results["P6"], results["P8"]
+    m5 = f"p50 {r5['p50'] * 1e3:.0f} ms, p90 {r5['p90'] * 1e3:.0f} ms, p99 {r5['p99'] * 1e3:.0f} ms, max {r5['max'] * 1e3:.0f} ms"
+    b5 = f"2 x {r5['interval_s'] * 1e3:.0f} ms + RTT {r5['rtt_s'] * 1e3:.1f} ms = {r5['bound_s'] * 1e3:.0f} ms"
+    m6 = f"{r6['per_cell_bytes']:.1f} bytes/cell ({r6['cells']} cells, {r6['keys']} keys)"
+    b6 = f"JSON: {r6['json_per_cell']:.1f} bytes/cell; goal <= 16"
+    k8 = r8["keys"] // 1000
+    m8 = f"median round {r8['median_s'] * 1e3:.0f} ms for {k8}k keys"
+    b8 = f"redis-py HSET x{k8}k: {r8['baseline_pipelined_hset_s'] * 1e3:.0f} ms; goal <= 500 ms"
+    print(f"{'target':6} {'measured':46} {'baseline / bound':44} verdict")
+    print(f"{'P5':6} {m5:46} {b5:44} {verdict(r5['ok'])} ({r5['within_bound']:.0%} of {r5['n']} within)")
+    print(f"{'P6':6} {m6:46} {b6:44} {verdict(r6['ok'])}")
+    print(f"{'P8':6} {m8:46} {b8:44} {verdict(r8['ok'])} ({r8['ratio_to_baseline']:.1f}x the baseline)")
+    if args.json:
+        with open(args.json, "w") as out:  # noqa: ASYNC230 - once, at the end
+            json.dump(results, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -1,0 +1,1 @@
+"""Replication between regions: delta-state G-counter gossip with anti-entropy."""

@@ -1,0 +1,114 @@
+"""How gossip messages travel between agents.
+
+:class:`HttpTransport` posts signed msgpack bodies to ``<peer url>/v1/gossip``
+with aiohttp and verifies the signed response. Tests and the simulator plug in
+other transports with the same two methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Protocol
+
+import aiohttp
+from multidict import CIMultiDict
+
+from geolimit.errors import GeolimitError, ProtocolError
+from geolimit.replication import wire
+from geolimit.replication.auth import SEQ, Signer, Verifier
+
+__all__ = ["HttpTransport", "Transport", "TransportError", "read_limited"]
+
+GOSSIP_PATH = "/v1/gossip"
+CONTENT_TYPE = "application/msgpack"
+
+
+async def read_limited(stream: aiohttp.StreamReader, limit: int) -> bytes | None:
+    """The whole body, or None as soon as it exceeds ``limit`` bytes.
+
+    ``StreamReader.read(n)`` returns what is buffered, not ``n`` bytes, so a large
+    body has to be read in a loop.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await stream.read(min(1 << 20, limit + 1 - size))
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+
+
+class TransportError(GeolimitError):
+    """A peer could not be reached or refused a message."""
+
+
+class Transport(Protocol):
+    async def send(self, peer: str, message: wire.Message) -> wire.Message:
+        """Deliver ``message`` to ``peer`` and return its (verified) response."""
+
+    async def close(self) -> None: ...
+
+
+class HttpTransport:
+    """Signed msgpack over HTTP(S) with aiohttp; one client session for all peers."""
+
+    def __init__(
+        self,
+        urls: dict[str, str],
+        signer: Signer,
+        verifier: Verifier,
+        timeout: float = 2.0,
+        ssl_context: ssl.SSLContext | None = None,
+        max_response_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        self._urls = {name: url.rstrip("/") + GOSSIP_PATH for name, url in urls.items()}
+        self._signer = signer
+        self._verifier = verifier
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._ssl = ssl_context
+        self._max_response = max_response_bytes
+        self._session: aiohttp.ClientSession | None = None
+        self.bytes_sent: dict[str, int] = dict.fromkeys(urls, 0)
+
+    def set_url(self, peer: str, url: str) -> None:
+        self._urls[peer] = url.rstrip("/") + GOSSIP_PATH
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(ssl=self._ssl if self._ssl is not None else True),
+            )
+        return self._session
+
+    async def send(self, peer: str, message: wire.Message) -> wire.Message:
+        body = wire.encode(message)
+        headers = self._signer.headers(body)
+        headers["Content-Type"] = CONTENT_TYPE
+        seq = int(headers[SEQ])
+        try:
+            async with self._client().post(self._urls[peer], data=body, headers=headers) as resp:
+                payload = await read_limited(resp.content, self._max_response)
+                if payload is None:
+                    raise TransportError(f"{peer} sent a response over {self._max_response} bytes")
+                if resp.status != 200:
+                    detail = payload[:200].decode("utf-8", "replace")
+                    raise TransportError(f"{peer} answered HTTP {resp.status}: {detail}")
+                reply_headers = CIMultiDict(resp.headers)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise TransportError(f"{peer} unreachable: {type(exc).__name__}: {exc}") from exc
+        self.bytes_sent[peer] = self.bytes_sent.get(peer, 0) + len(body)
+        self._verifier.verify(reply_headers, payload, expect_seq=seq)
+        reply = wire.decode(payload)
+        if reply.sender != peer:
+            raise ProtocolError(f"response from {peer} claims to come from {reply.sender!r}")
+        return reply
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,1 @@
+"""Servers: the per-region agent (gossip endpoint and HTTP decision API)."""

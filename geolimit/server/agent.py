@@ -1,0 +1,299 @@
+"""The per-region agent: gossip with peers, serve the HTTP decision API.
+
+Lifecycle: ``listen()`` binds the HTTP server(s) and connects Redis; ``start()``
+also starts the gossip loop; ``stop()`` stops accepting, flushes the outboxes
+once with a deadline and closes everything; ``abort()`` drops everything without
+flushing (what a crash looks like). ``async with Agent(config)`` starts and stops.
+
+A crash of the gossip loop is logged, turns ``/healthz`` into a 500 and makes
+``wait()`` raise; it is never silently dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from geolimit.async_limiter import AsyncLimiter
+from geolimit.core.clock import Clock, micros_source
+from geolimit.errors import GeolimitError, StorageError
+from geolimit.replication.auth import Signer, Verifier
+from geolimit.replication.gossip import EngineSettings, GossipEngine
+from geolimit.replication.redis_io import ReplicationStore
+from geolimit.replication.transport import HttpTransport, Transport
+from geolimit.server.api import add_api_routes, add_health_routes
+from geolimit.server.config import AgentConfig
+from geolimit.server.gossip_http import add_gossip_routes
+from geolimit.server.metrics import AgentMetrics
+
+__all__ = ["Agent"]
+
+log = logging.getLogger("geolimit.agent")
+
+
+class Agent:
+    """One region's replication agent and HTTP API."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        clock: Clock | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        self.config = config
+        self._clock: Callable[[], float] = clock or time.time
+        self._decision_clock = clock
+        self.signer = Signer(config.secret, config.region, self._clock)
+        self.verifier = Verifier(config.secret, [p.name for p in config.peers], config.auth_window, self._clock)
+        self._transport = transport
+        self.limiter: AsyncLimiter | None = None
+        self.engine: GossipEngine | None = None
+        self.metrics = AgentMetrics(lambda: self.engine, self._clock)
+        self._runners: list[web.AppRunner] = []
+        self._addresses: list[tuple[str, int]] = []
+        self._loop_task: asyncio.Task[None] | None = None
+        self._failure: str | None = None
+        self._redis_ok = False
+        self._last_redis_error: str | None = None
+        self._started = self._listening = False
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def listen(self) -> None:
+        """Connect Redis and bind the HTTP server(s); gossip does not run yet."""
+        if self._listening:
+            return
+        cfg = self.config
+        self.limiter = AsyncLimiter.from_url(
+            cfg.redis_url, region=cfg.region, rules=cfg.rules, prefix=cfg.key_prefix, shards=cfg.shards,
+            on_error=cfg.on_error,  # type: ignore[arg-type]
+            clock=self._decision_clock,
+        )
+        store = ReplicationStore(
+            self.limiter.store, self.limiter.layout, cfg.region, self.limiter.rules,
+            nonce=secrets.token_hex(3).encode(),
+            now_us=micros_source(self._decision_clock) or (lambda: None),
+        )
+        if self._transport is None:
+            ssl_ctx = cfg.tls.client_context() if cfg.tls else None
+            self._transport = HttpTransport(
+                {p.name: p.url for p in cfg.peers}, self.signer, self.verifier, cfg.timeout, ssl_ctx,
+                max_response_bytes=4 * cfg.max_message_bytes,
+            )
+        settings = EngineSettings(
+            interval=cfg.interval, anti_entropy_interval=cfg.anti_entropy_interval,
+            max_backoff=cfg.max_backoff, outbox_limit=cfg.outbox_limit,
+            heartbeat=max(1.0, cfg.interval), lease_ttl=max(15.0, 20 * cfg.interval),
+            max_cells_per_message=max(1000, min(20_000, cfg.max_message_bytes // 40)),
+        )
+        self.engine = GossipEngine(cfg.region, [p.name for p in cfg.peers], store, self._transport, settings, self._clock)
+        gossip_app = web.Application(client_max_size=cfg.max_message_bytes + 1)
+        add_gossip_routes(gossip_app, self)
+        add_health_routes(gossip_app, self)
+        apps = [(gossip_app, cfg.listen, cfg.tls.server_context() if cfg.tls else None)]
+        if cfg.api_listen is None:
+            add_api_routes(gossip_app, self)
+        else:
+            api_app = web.Application()
+            add_api_routes(api_app, self)
+            add_health_routes(api_app, self)
+            apps.append((api_app, cfg.api_listen, None))
+        try:
+            for app, (host, port), ssl_ctx in apps:
+                runner = web.AppRunner(app, access_log=None, handle_signals=False)
+                await runner.setup()
+                self._runners.append(runner)
+                site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_address=True)
+                await site.start()
+                sock = site._server.sockets[0]  # type: ignore[union-attr]
+                self._addresses.append(sock.getsockname()[:2])
+        except OSError as exc:
+            await self._close()
+            raise GeolimitError(f"agent {cfg.region}: cannot listen: {exc}") from exc
+        self._listening = True
+        log.info("agent %s listening on %s (peers: %s)", cfg.region, self.url,
+                 ", ".join(p.name for p in cfg.peers) or "none")
+
+    async def start(self) -> None:
+        """Listen (if not yet) and start the gossip loop."""
+        await self.listen()
+        if self._started:
+            return
+        self._started = True
+        self._loop_task = asyncio.ensure_future(self._run_loop())
+        self._loop_task.add_done_callback(self._loop_done)
+
+    async def stop(self, flush_timeout: float = 2.0) -> bool:
+        """Graceful stop; returns True if every outbox was delivered before the deadline."""
+        for runner in self._runners:
+            for site in list(runner.sites):
+                await site.stop()
+        await self._cancel_loop()
+        flushed = True
+        if self.engine is not None and self._listening:
+            try:
+                flushed = await self.engine.flush(self._clock() + flush_timeout)
+            except (GeolimitError, OSError) as exc:
+                log.warning("agent %s: final flush failed: %s", self.config.region, exc)
+                flushed = False
+        await self._close()
+        return flushed
+
+    async def abort(self) -> None:
+        """Drop everything without flushing, as a crash would."""
+        await self._cancel_loop()
+        await self._close()
+
+    async def wait(self) -> None:
+        """Until the gossip loop ends; raises if it crashed."""
+        if self._loop_task is not None:
+            await asyncio.shield(self._loop_task)
+
+    async def __aenter__(self) -> Agent:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _cancel_loop(self) -> None:
+        task, self._loop_task = self._loop_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _close(self) -> None:
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()
+        if self.engine is not None:
+            await self.engine.cancel()
+        if self._transport is not None:
+            await self._transport.close()
+        if self.limiter is not None:
+            await self.limiter.aclose()
+        self._listening = self._started = False
+
+    # -- gossip loop ----------------------------------------------------------
+
+    async def step(self) -> None:
+        """One round, then wait for its sends and anti-entropy (tests and tools)."""
+        assert self.engine is not None, "listen() first"
+        await self._round()
+        await self.engine.settle()
+
+    async def _round(self) -> None:
+        assert self.engine is not None
+        started = time.perf_counter()
+        try:
+            await self.engine.round()
+        except StorageError as exc:
+            if self._redis_ok or self._last_redis_error is None:
+                log.warning("agent %s: Redis unavailable: %s", self.config.region, exc)
+            self._redis_ok = False
+            self._last_redis_error = str(exc)
+        else:
+            if not self._redis_ok and self._last_redis_error is not None:
+                log.info("agent %s: Redis reachable again", self.config.region)
+            self._redis_ok = True
+        self.metrics.round_seconds.observe(time.perf_counter() - started)
+
+    async def _run_loop(self) -> None:
+        interval = self.config.interval
+        while True:
+            began = time.monotonic()
+            await self._round()
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - began)))
+
+    def _loop_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self._failure = f"{type(exc).__name__}: {exc}"
+            log.error("agent %s: gossip loop crashed", self.config.region, exc_info=exc)
+
+    # -- introspection --------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        host, port = self._addresses[0]
+        scheme = "https" if self.config.tls and self.config.tls.cert_file else "http"
+        return f"{scheme}://{host}:{port}"
+
+    @property
+    def api_url(self) -> str:
+        if len(self._addresses) < 2:
+            return self.url
+        host, port = self._addresses[1]
+        return f"http://{host}:{port}"
+
+    def require_limiter(self) -> AsyncLimiter:
+        if self.limiter is None:
+            raise StorageError("agent is not started")
+        return self.limiter
+
+    def set_peer_url(self, name: str, url: str) -> None:
+        """Point gossip for ``name`` at ``url`` (for agents started on port 0)."""
+        if isinstance(self._transport, HttpTransport):
+            self._transport.set_url(name, url)
+
+    def failure(self) -> str | None:
+        if self._failure is None and self.engine is not None:
+            try:
+                self.engine.check_failure()
+            except GeolimitError as exc:
+                return str(exc)
+        return self._failure
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        waiting = []
+        if not self._redis_ok:
+            waiting.append(f"redis ({self._last_redis_error or 'no round yet'})")
+        if self.engine is None or not self.engine.initial_sync_done:
+            waiting.append("first anti-entropy with every peer")
+        if self.failure():
+            waiting.append("gossip loop crashed")
+        return not waiting, waiting
+
+    def status(self) -> dict[str, Any]:
+        now = self._clock()
+        engine = self.engine
+        peers: dict[str, Any] = {}
+        incarnations: dict[str, int] = {}
+        if engine is not None:
+            for slot in engine.own_slots.values():
+                inc = slot.rpartition("/")[2]
+                incarnations[inc] = incarnations.get(inc, 0) + 1
+            for peer in engine.peers.values():
+                oldest = peer.outbox.oldest()
+                peers[peer.name] = {
+                    "last_contact": peer.last_ok,
+                    "last_contact_age": None if peer.last_ok is None else round(now - peer.last_ok, 3),
+                    "lag": 0.0 if oldest is None else round(now - oldest, 3),
+                    "outbox": len(peer.outbox),
+                    "errors": peer.errors,
+                    "consecutive_failures": peer.failures,
+                    "last_error": peer.last_error,
+                    "cells_sent": peer.cells_sent,
+                    "cells_received": peer.cells_received,
+                    "anti_entropy_ok": peer.ae_ok,
+                }
+        ready, waiting = self.readiness()
+        newest = max(incarnations, default=None)
+        return {
+            "region": self.config.region,
+            "incarnation": newest,
+            "incarnations": incarnations,
+            "ready": ready,
+            "waiting_for": waiting,
+            "peers": peers,
+            "rules": {r.name: r.describe() for r in self.config.rules},
+        }

@@ -1,0 +1,312 @@
+"""The agent's JSON API for apps.
+
+``POST /v1/check`` (and ``/v1/peek``, ``/v1/reset``) take::
+
+    {"rule": "api", "subject": "user:42", "cost": 1}
+    {"rules": ["burst", "hourly"], "subject": "ip:1.2.3.4"}        # all-or-nothing
+    [{"rule": "api", "subject": "a"}, {"rule": "api", "subject": "b"}]   # batch
+    {"checks": [ ... ]}                                             # batch, too
+
+``subject_b64`` may replace ``subject`` for binary subjects. A bad body gets 400
+with ``{"error": ..., "field": ...}``; an unknown rule gets 404 and a body over
+1 MiB gets 413. Every check of a request is validated (unknown rules included)
+before any of them runs, so a refused batch consumes nothing.
+
+When the config has an API token (``region.api_token_file``), the ``/v1/check``,
+``/v1/peek``, ``/v1/reset``, ``/v1/usage`` and ``/v1/status`` endpoints require
+``Authorization: Bearer <token>`` and answer 401 otherwise. ``/healthz``,
+``/readyz`` and ``/metrics`` stay open; ``/v1/gossip`` has its own HMAC auth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from geolimit.core.decision import Decision
+from geolimit.core.keys import MAX_SUBJECT_BYTES
+from geolimit.errors import GeolimitError, RequestError, StorageError, UnknownRuleError
+from geolimit.server.metrics import CONTENT_TYPE as METRICS_TYPE
+from geolimit.store.protocol import MAX_COST
+
+if TYPE_CHECKING:
+    from geolimit.async_limiter import AsyncLimiter
+    from geolimit.server.agent import Agent
+
+__all__ = ["MAX_BATCH", "MAX_BODY", "BadRequest", "Check", "add_api_routes", "add_health_routes", "parse_check"]
+
+log = logging.getLogger("geolimit.agent")
+
+MAX_BODY = 1024 * 1024
+MAX_BATCH = 1000
+_FIELDS = frozenset({"rule", "rules", "subject", "subject_b64", "cost"})
+_USAGE_PARAMS = frozenset({"rule", "subject", "subject_b64"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class BadRequest(Exception):
+    """A request the API refuses: ``status`` (400, 401, 404, 413) and the offending field."""
+
+    def __init__(self, message: str, field: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.field = field
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Check:
+    """One validated check: rule name(s), subject bytes, cost, and where it sat in the body."""
+
+    rules: str | list[str]
+    subject: bytes
+    cost: int
+    where: str = ""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.rules,) if isinstance(self.rules, str) else tuple(self.rules)
+
+    @property
+    def rule_field(self) -> str:
+        return self.where + ("rule" if isinstance(self.rules, str) else "rules")
+
+
+def _fail(exc: BadRequest) -> web.Response:
+    body: dict[str, Any] = {"error": str(exc)}
+    if exc.field:
+        body["field"] = exc.field
+    headers = {"WWW-Authenticate": 'Bearer realm="geolimit"'} if exc.status == 401 else None
+    return web.json_response(body, status=exc.status, headers=headers)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def parse_check(item: object, where: str = "") -> Check:
+    """Validate one check object; :class:`BadRequest` names the offending field."""
+    if not isinstance(item, dict):
+        raise BadRequest(f"{where.rstrip('.') or 'body'} must be a JSON object", where.rstrip(".") or "body")
+    for key in item:
+        if key not in _FIELDS:
+            raise BadRequest(f"unknown field {key!r}; allowed: {', '.join(sorted(_FIELDS))}", where + key)
+    rules: str | list[str]
+    if "rule" in item and "rules" in item:
+        raise BadRequest("give either 'rule' (a name) or 'rules' (a list of names), not both", where + "rules")
+    if "rule" in item:
+        rule = item["rule"]
+        if not isinstance(rule, str) or not rule:
+            raise BadRequest("'rule' must be a non-empty string", where + "rule")
+        rules = rule
+    elif "rules" in item:
+        names = item["rules"]
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+            raise BadRequest("'rules' must be a non-empty list of rule names", where + "rules")
+        if len(set(names)) != len(names):
+            raise BadRequest("'rules' names a rule twice", where + "rules")
+        rules = list(names)
+    else:
+        raise BadRequest("missing 'rule' (a name) or 'rules' (a list of names)", where + "rule")
+    if "subject" in item and "subject_b64" in item:
+        raise BadRequest("give either 'subject' or 'subject_b64', not both", where + "subject_b64")
+    if "subject" in item:
+        if not isinstance(item["subject"], str):
+            raise BadRequest("'subject' must be a string (use 'subject_b64' for bytes)", where + "subject")
+        subject = item["subject"].encode("utf-8", "surrogatepass")
+        subject_field = where + "subject"
+    elif "subject_b64" in item:
+        raw = item["subject_b64"]
+        subject_field = where + "subject_b64"
+        if not isinstance(raw, str):
+            raise BadRequest("'subject_b64' must be a base64 string", subject_field)
+        try:
+            subject = base64.b64decode(raw.encode("ascii"), validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRequest("'subject_b64' is not valid base64", subject_field) from None
+    else:
+        raise BadRequest("missing 'subject' (or 'subject_b64')", where + "subject")
+    if len(subject) > MAX_SUBJECT_BYTES:
+        raise BadRequest(
+            f"the subject is {len(subject)} bytes; the maximum is {MAX_SUBJECT_BYTES}", subject_field
+        )
+    cost = item.get("cost", 1)
+    if isinstance(cost, bool) or not isinstance(cost, int) or not 0 <= cost < MAX_COST:
+        raise BadRequest("'cost' must be an integer from 0 to 2**50 - 1", where + "cost")
+    return Check(rules, subject, cost, where)
+
+
+async def _body(request: web.Request) -> object:
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        raise BadRequest(f"body over {MAX_BODY} bytes", "body", status=413)
+    # StreamReader.read(n) returns what has arrived so far: keep reading until EOF.
+    raw = bytearray()
+    while True:
+        chunk = await request.content.read(MAX_BODY + 1 - len(raw))
+        if not chunk:
+            break
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            raise BadRequest(f"body over {MAX_BODY} bytes", "body", status=413)
+    try:
+        return json.loads(bytes(raw))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise BadRequest(f"body is not valid JSON: {str(exc)[:200]}", "body") from None
+
+
+def _checks(body: object) -> tuple[list[Check], bool]:
+    """The checks of a body and whether it was a batch."""
+    if isinstance(body, dict) and "checks" in body:
+        extra = sorted(set(body) - {"checks"})
+        if extra:
+            raise BadRequest(f"a batch object holds only 'checks', not {extra[0]!r}", extra[0])
+        body = body["checks"]
+        if not isinstance(body, list):
+            raise BadRequest("'checks' must be a list", "checks")
+    if isinstance(body, list):
+        if not body or len(body) > MAX_BATCH:
+            raise BadRequest(f"a batch holds 1 to {MAX_BATCH} checks, got {len(body)}", "checks")
+        return [parse_check(item, f"checks[{i}].") for i, item in enumerate(body)], True
+    return [parse_check(body)], False
+
+
+def _known_rules(limiter: AsyncLimiter, checks: Sequence[Check]) -> None:
+    """404 for the first unknown rule, before anything is consumed."""
+    for check in checks:
+        for name in check.names:
+            try:
+                limiter.rule(name)
+            except UnknownRuleError as exc:
+                raise BadRequest(str(exc), check.rule_field, status=404) from None
+
+
+def _authorized(request: web.Request, token: bytes) -> bool:
+    scheme, _, value = request.headers.get("Authorization", "").strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    given = value.strip().encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, token)
+
+
+def _guarded(handler: Handler, token: str | None) -> Handler:
+    """Bearer-token check (when configured) and a JSON 500 for anything unexpected."""
+    secret = token.encode() if token else None
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        if secret is not None and not _authorized(request, secret):
+            return _fail(BadRequest("missing or wrong API token: send 'Authorization: Bearer <token>'",
+                                    "Authorization", status=401))
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return _fail(exc)
+        except StorageError as exc:
+            return _error(503, str(exc))
+        except RequestError as exc:
+            return _error(400, str(exc))
+        except GeolimitError as exc:
+            log.error("%s %s failed: %s", request.method, request.path, exc)
+            return _error(500, str(exc))
+        except web.HTTPException:
+            raise
+        except Exception as exc:
+            log.exception("%s %s crashed", request.method, request.path)
+            return _error(500, f"internal error: {type(exc).__name__}")
+
+    return wrapped
+
+
+def add_api_routes(app: web.Application, agent: Agent) -> None:
+    metrics = agent.metrics
+
+    async def decide(request: web.Request, consume: bool) -> web.Response:
+        checks, batch = _checks(await _body(request))
+        limiter = agent.require_limiter()
+        _known_rules(limiter, checks)
+        started = time.perf_counter()
+        try:
+            if consume:
+                decisions = await limiter.hit_many([(c.rules, c.subject, c.cost) for c in checks])
+            else:
+                decisions = list(await asyncio.gather(*(limiter.peek(c.rules, c.subject, c.cost) for c in checks)))
+        except UnknownRuleError as exc:  # a concurrent rule reload
+            raise BadRequest(str(exc), "rule", status=404) from None
+        elapsed = time.perf_counter() - started
+        _observe(decisions, elapsed)
+        out = [d.as_dict() for d in decisions]
+        return web.json_response({"results": out} if batch else out[0])
+
+    def _observe(decisions: list[Decision], elapsed: float) -> None:
+        share = elapsed / len(decisions)
+        for d in decisions:
+            metrics.decisions.labels(d.rule, "allowed" if d.allowed else "denied").inc()
+            metrics.decision_seconds.observe(share)
+
+    async def check(request: web.Request) -> web.Response:
+        return await decide(request, True)
+
+    async def peek(request: web.Request) -> web.Response:
+        return await decide(request, False)
+
+    async def reset(request: web.Request) -> web.Response:
+        checks, _ = _checks(await _body(request))
+        limiter = agent.require_limiter()
+        _known_rules(limiter, checks)
+        for c in checks:
+            await limiter.reset(c.rules, c.subject)
+        return web.json_response({"reset": len(checks)})
+
+    async def usage(request: web.Request) -> web.Response:
+        query = request.query
+        for key in query:
+            if key not in _USAGE_PARAMS:
+                raise BadRequest(f"unknown query parameter {key!r}; allowed: rule, subject, subject_b64", key)
+            if len(query.getall(key)) > 1:
+                raise BadRequest(f"query parameter {key!r} is given twice", key)
+        if not query.get("rule"):
+            raise BadRequest("query parameter 'rule' is required", "rule")
+        parsed = parse_check(dict(query))
+        limiter = agent.require_limiter()
+        _known_rules(limiter, [parsed])
+        assert isinstance(parsed.rules, str)
+        result = await limiter.usage(parsed.rules, parsed.subject)
+        return web.json_response(result.as_dict())
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response(agent.status())
+
+    token = agent.config.api_token
+    app.router.add_post("/v1/check", _guarded(check, token))
+    app.router.add_post("/v1/peek", _guarded(peek, token))
+    app.router.add_post("/v1/reset", _guarded(reset, token))
+    app.router.add_get("/v1/usage", _guarded(usage, token))
+    app.router.add_get("/v1/status", _guarded(status, token))
+
+
+def add_health_routes(app: web.Application, agent: Agent) -> None:
+    async def healthz(request: web.Request) -> web.Response:
+        problem = agent.failure()
+        if problem:
+            return web.json_response({"alive": False, "error": problem}, status=500)
+        return web.json_response({"alive": True})
+
+    async def readyz(request: web.Request) -> web.Response:
+        ready, reasons = agent.readiness()
+        return web.json_response({"ready": ready, "waiting_for": reasons}, status=200 if ready else 503)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=agent.metrics.render(), headers={"Content-Type": METRICS_TYPE})
+
+    app.router.add_get("/healthz", _guarded(healthz, None))
+    app.router.add_get("/readyz", _guarded(readyz, None))
+    app.router.add_get("/metrics", _guarded(metrics, None))

@@ -1,0 +1,391 @@
+"""Agent configuration from TOML, validated strictly.
+
+Every error names the key and the file. See ``deploy/`` and the README for
+complete examples; the minimal file is::
+
+    [region]
+    name = "us-east"
+    redis_url = "redis://127.0.0.1:6379/0"
+    listen = "127.0.0.1:7400"
+    secret_file = "gossip.key"
+
+    [gossip]
+    interval = 0.1
+    peers = [ { name = "eu-west", url = "http://127.0.0.1:7401" } ]
+
+    [[rule]]
+    name = "api"
+    limit = "1000/10s"
+    resolution = 1
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import ssl
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from geolimit.core.rule import Rule, parse_duration, parse_rate
+from geolimit.errors import ConfigError, GeolimitError
+from geolimit.limiter_base import validate_region
+from geolimit.replication.auth import MIN_SECRET_BYTES
+from geolimit.store.connect import split_cluster_url
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["AgentConfig", "PeerConfig", "TLSConfig", "load_config", "parse_config", "parse_listen"]
+
+_SECTIONS = {
+    "region": {"name", "redis_url", "listen", "secret_file", "key_prefix", "shards", "on_error", "api_listen", "api_token_file"},
+    "gossip": {"interval", "peers", "anti_entropy_interval", "max_message_bytes", "max_backoff", "timeout",
+               "outbox_limit", "auth_window", "tls"},
+    "log": {"format", "level"},
+}
+_RULE_KEYS = {"name", "limit", "window", "resolution", "mode"}
+_PEER_KEYS = {"name", "url"}
+_TLS_KEYS = {"cert_file", "key_file", "ca_file", "verify_peers"}
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    name: str
+    url: str
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    ca_file: Path | None = None
+    verify_peers: bool = True
+
+    def server_context(self) -> ssl.SSLContext | None:
+        if self.cert_file is None:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.cert_file, self.key_file)
+        return ctx
+
+    def client_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
+        if not self.verify_peers:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    region: str
+    redis_url: str
+    listen: tuple[str, int]
+    secret: bytes = field(repr=False)
+    peers: tuple[PeerConfig, ...]
+    rules: tuple[Rule, ...]
+    interval: float = 0.1
+    anti_entropy_interval: float = 30.0
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_backoff: float = 5.0
+    timeout: float = 5.0
+    outbox_limit: int = 1_000_000
+    auth_window: float = 30.0
+    key_prefix: str = "gl"
+    shards: int = 64
+    on_error: str = "raise"
+    api_listen: tuple[str, int] | None = None
+    api_token: str | None = field(default=None, repr=False)
+    tls: TLSConfig | None = None
+    log_format: str = "text"
+    log_level: str = "INFO"
+    path: Path | None = None
+
+
+def parse_listen(value: object, where: str) -> tuple[str, int]:
+    if not isinstance(value, str) or ":" not in value:
+        raise ConfigError(f"{where}: expected 'host:port', got {value!r}")
+    host, _, port_s = value.rpartition(":")
+    host = host.strip("[]")
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ConfigError(f"{where}: port must be a number, got {port_s!r}") from None
+    if not host or any(c.isspace() for c in host) or not 0 <= port <= 65535:
+        raise ConfigError(f"{where}: expected 'host:port' with a port from 0 to 65535, got {value!r}")
+    return host, port
+
+
+def load_config(path: str | os.PathLike[str]) -> AgentConfig:
+    """Read and validate an agent TOML file."""
+    file = Path(path)
+    try:
+        data = tomllib.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(file)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {str(file)!r}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{file}: invalid TOML: {exc}") from None
+    return parse_config(data, file)
+
+
+def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConfig:
+    src = str(path) if path else "<config>"
+    base = path.parent if path else Path.cwd()
+    _known(data, {"region", "gossip", "rule", "log"}, src, "")
+    region = _table(data, "region", src, required=True)
+    gossip = _table(data, "gossip", src, required=True)
+    logs = _table(data, "log", src)
+    for name, table in (("region", region), ("gossip", gossip), ("log", logs)):
+        _known(table, _SECTIONS[name], src, name + ".")
+    name = _get(region, "name", str, src, "region.name")
+    try:
+        validate_region(name)
+    except ConfigError as exc:
+        raise ConfigError(f"{src}: region.name: {exc}") from None
+    opts: dict[str, Any] = {}
+    secret_file = _resolve(base, _get(region, "secret_file", str, src, "region.secret_file"))
+    secret = _read_secret(secret_file, src)
+    redis_url = _get(region, "redis_url", str, src, "region.redis_url")
+    try:
+        split_cluster_url(redis_url)
+    except ConfigError as exc:
+        raise ConfigError(f"{src}: region.redis_url: {exc}") from None
+    listen = parse_listen(_get(region, "listen", str, src, "region.listen"), f"{src}: region.listen")
+    peers = _peers(gossip, src, name)
+    if "rule" not in data:
+        raise ConfigError(f"{src}: missing key rule: define at least one [[rule]] table (name, limit)")
+    rules = _rules(data["rule"], src)
+    if "interval" in gossip:
+        opts["interval"] = _seconds(gossip["interval"], src, "gossip.interval")
+    for key in ("anti_entropy_interval", "max_backoff", "timeout", "auth_window"):
+        if key in gossip:
+            opts[key] = _seconds(gossip[key], src, f"gossip.{key}")
+    for key in ("max_message_bytes", "outbox_limit"):
+        if key in gossip:
+            opts[key] = _positive_int(gossip[key], src, f"gossip.{key}")
+    if "tls" in gossip:
+        opts["tls"] = _tls(gossip["tls"], src, base)
+    if "key_prefix" in region:
+        opts["key_prefix"] = _get(region, "key_prefix", str, src, "region.key_prefix")
+    if "shards" in region:
+        opts["shards"] = _positive_int(region["shards"], src, "region.shards")
+    if "on_error" in region:
+        value = _get(region, "on_error", str, src, "region.on_error")
+        if value not in ("raise", "allow", "deny"):
+            raise ConfigError(f"{src}: region.on_error must be 'raise', 'allow' or 'deny', got {value!r}")
+        opts["on_error"] = value
+    if "api_listen" in region:
+        api_listen = parse_listen(region["api_listen"], f"{src}: region.api_listen")
+        if api_listen == listen and listen[1] != 0:
+            raise ConfigError(f"{src}: region.api_listen must differ from region.listen ({listen[0]}:{listen[1]})")
+        opts["api_listen"] = api_listen
+    if "api_token_file" in region:
+        token_file = _resolve(base, _get(region, "api_token_file", str, src, "region.api_token_file"))
+        opts["api_token"] = _read_token(token_file, src)
+    if "format" in logs:
+        fmt = _get(logs, "format", str, src, "log.format")
+        if fmt not in ("text", "json"):
+            raise ConfigError(f"{src}: log.format must be 'text' or 'json', got {fmt!r}")
+        opts["log_format"] = fmt
+    if "level" in logs:
+        level = _get(logs, "level", str, src, "log.level").upper()
+        if level not in _LOG_LEVELS:
+            raise ConfigError(f"{src}: log.level must be one of {', '.join(_LOG_LEVELS)} (any case), got {level!r}")
+        opts["log_level"] = level
+    return AgentConfig(
+        region=name,
+        redis_url=redis_url,
+        listen=listen,
+        secret=secret,
+        peers=peers,
+        rules=rules,
+        path=path,
+        **opts,
+    )
+
+
+def _known(table: Mapping[str, Any], allowed: set[str], src: str, where: str) -> None:
+    for key in table:
+        if key not in allowed:
+            raise ConfigError(f"{src}: unknown key {where + key!r}; allowed here: {', '.join(sorted(allowed))}")
+
+
+def _table(data: Mapping[str, Any], key: str, src: str, required: bool = False) -> Mapping[str, Any]:
+    if key not in data:
+        if required:
+            raise ConfigError(f"{src}: missing section [{key}]")
+        return {}
+    value = data[key]
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{src}: {key} must be a [{key}] table, got {value!r}")
+    return value
+
+
+def _get(table: Mapping[str, Any], key: str, kind: type, src: str, where: str) -> Any:
+    if key not in table:
+        raise ConfigError(f"{src}: missing key {where}")
+    value = table[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ConfigError(f"{src}: {where} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def _seconds(value: object, src: str, where: str) -> float:
+    if isinstance(value, str):
+        try:
+            return parse_duration(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{src}: {where}: {exc}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise ConfigError(f"{src}: {where} must be a positive number of seconds (or a duration such as '10s'), got {value!r}")
+    return float(value)
+
+
+def _positive_int(value: object, src: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{src}: {where} must be a positive integer, got {value!r}")
+    return value
+
+
+def _resolve(base: Path, value: str) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def _read_secret(path: Path, src: str, what: str = "region.secret_file") -> bytes:
+    try:
+        secret = path.read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"{src}: {what}: cannot read {str(path)!r}: {exc.strerror}") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"{src}: {what}: {str(path)!r} holds {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
+            f"random bytes (for example: head -c 32 /dev/urandom | base64 > {path.name})"
+        )
+    return secret
+
+
+def _read_token(path: Path, src: str) -> str:
+    """An API bearer token: at least MIN_SECRET_BYTES printable ASCII characters, no spaces."""
+    raw = _read_secret(path, src, what="region.api_token_file")
+    if not all(0x21 <= b <= 0x7E for b in raw):
+        raise ConfigError(
+            f"{src}: region.api_token_file: {str(path)!r} must hold one line of printable ASCII without "
+            f"spaces (it is sent as 'Authorization: Bearer <token>'; for example: "
+            f"head -c 32 /dev/urandom | base64 > {path.name})"
+        )
+    return raw.decode("ascii")
+
+
+def _peers(gossip: Mapping[str, Any], src: str, own: str) -> tuple[PeerConfig, ...]:
+    raw = gossip.get("peers", [])
+    if not isinstance(raw, list):
+        raise ConfigError(f"{src}: gossip.peers must be a list of {{ name = ..., url = ... }} tables")
+    peers: list[PeerConfig] = []
+    for i, item in enumerate(raw):
+        where = f"gossip.peers[{i}]"
+        if not isinstance(item, Mapping):
+            raise ConfigError(f"{src}: {where} must be a table with name and url")
+        _known(item, _PEER_KEYS, src, where + ".")
+        name = _get(item, "name", str, src, f"{where}.name")
+        url = _get(item, "url", str, src, f"{where}.url")
+        try:
+            validate_region(name)
+        except ConfigError as exc:
+            raise ConfigError(f"{src}: {where}.name: {exc}") from None
+        if name == own:
+            raise ConfigError(f"{src}: {where}.name: a region cannot be its own peer ({name!r})")
+        if any(p.name == name for p in peers):
+            raise ConfigError(f"{src}: {where}.name: duplicate peer {name!r}")
+        parts = urlsplit(url)
+        try:
+            parts.port  # noqa: B018 - raises ValueError for a port that is not a number from 0 to 65535
+        except ValueError:
+            parts = parts._replace(netloc="")
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+            raise ConfigError(
+                f"{src}: {where}.url must be an http:// or https:// URL such as 'https://10.0.0.2:7400', got {url!r}"
+            )
+        peers.append(PeerConfig(name, url))
+    return tuple(peers)
+
+
+def _rules(raw: object, src: str) -> tuple[Rule, ...]:
+    if not isinstance(raw, list):
+        raise ConfigError(f"{src}: rules are [[rule]] tables")
+    rules: list[Rule] = []
+    for i, item in enumerate(raw):
+        where = f"rule[{i}]"
+        if not isinstance(item, Mapping):
+            raise ConfigError(f"{src}: {where} must be a table")
+        _known(item, _RULE_KEYS, src, where + ".")
+        name = _get(item, "name", str, src, f"{where}.name")
+        if "limit" not in item:
+            raise ConfigError(f"{src}: missing key {where}.limit (rule {name!r}): a rate such as '1000/10s', "
+                              f"or a number with window")
+        where = f"rule {name!r}"
+        limit = item["limit"]
+        try:
+            if isinstance(limit, str):
+                if "window" in item:
+                    raise ConfigError(f"window is given twice: in limit {limit!r} and as window")
+                count, window = parse_rate(limit)
+            elif isinstance(limit, int) and not isinstance(limit, bool):
+                if "window" not in item:
+                    raise ConfigError("limit is a number, so window (seconds or '10s') is required")
+                count, window = limit, _seconds(item["window"], src, f"{where}.window")
+            else:
+                raise ConfigError(f"limit must be a rate string such as '1000/10s' or a number, got {limit!r}")
+            resolution = item.get("resolution")
+            if resolution is not None:
+                resolution = _seconds(resolution, src, f"{where}.resolution")
+            mode = item.get("mode", "strict")
+            if mode not in ("strict", "approximate"):
+                raise ConfigError(f"mode must be 'strict' or 'approximate', got {mode!r}")
+            rule = Rule(name, count, window, resolution, mode)
+        except GeolimitError as exc:
+            raise ConfigError(f"{src}: {where}: {exc}") from None
+        if any(r.name == rule.name for r in rules):
+            raise ConfigError(f"{src}: {where}: duplicate rule name")
+        rules.append(rule)
+    return tuple(rules)
+
+
+def _tls(raw: object, src: str, base: Path) -> TLSConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{src}: gossip.tls must be a table")
+    _known(raw, _TLS_KEYS, src, "gossip.tls.")
+    files: dict[str, Path | None] = {}
+    for key in ("cert_file", "key_file", "ca_file"):
+        value = raw.get(key)
+        if value is not None:
+            path = _resolve(base, _get(raw, key, str, src, f"gossip.tls.{key}"))
+            if not path.is_file():
+                raise ConfigError(f"{src}: gossip.tls.{key}: {str(path)!r} does not exist")
+            files[key] = path
+    if ("cert_file" in files) != ("key_file" in files):
+        raise ConfigError(f"{src}: gossip.tls needs both cert_file and key_file to serve TLS")
+    verify = raw.get("verify_peers", True)
+    if not isinstance(verify, bool):
+        raise ConfigError(f"{src}: gossip.tls.verify_peers must be true or false, got {verify!r}")
+    tls = TLSConfig(files.get("cert_file"), files.get("key_file"), files.get("ca_file"), verify)
+    # Load the files now: a bad certificate or key is a config error, not a crash at startup.
+    try:
+        tls.server_context()
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        raise ConfigError(f"{src}: gossip.tls.cert_file/key_file: cannot load {str(tls.cert_file)!r}: {exc}") from None
+    try:
+        tls.client_context()
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        raise ConfigError(f"{src}: gossip.tls.ca_file: cannot load {str(tls.ca_file)!r}: {exc}") from None
+    return tls

@@ -1,0 +1,78 @@
+"""``POST /v1/gossip``: where peers deliver signed msgpack messages.
+
+Checks run in this order, and a request that fails one never reaches Redis:
+
+1. size: a body over the cap gets 413 before anything is decoded (``Content-Length``
+   first, then a bounded read);
+2. authentication: unsigned, forged, replayed or stale messages get 401;
+3. decoding: malformed msgpack or an invalid message gets 400.
+
+The response is the engine's reply, signed with the request's sequence number.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from geolimit.errors import AuthenticationError, ProtocolError, StorageError
+from geolimit.replication import wire
+from geolimit.replication.auth import SEQ
+from geolimit.replication.transport import CONTENT_TYPE, GOSSIP_PATH, read_limited
+
+if TYPE_CHECKING:
+    from geolimit.server.agent import Agent
+
+__all__ = ["add_gossip_routes"]
+
+log = logging.getLogger("geolimit.agent")
+
+
+def _error(status: int, reason: str, message: str) -> web.Response:
+    return web.json_response({"error": message, "reason": reason}, status=status)
+
+
+def add_gossip_routes(app: web.Application, agent: Agent) -> None:
+    cap = agent.config.max_message_bytes
+
+    async def gossip(request: web.Request) -> web.StreamResponse:
+        metrics = agent.metrics
+        if request.content_length is not None and request.content_length > cap:
+            metrics.rejected.labels("too_large").inc()
+            return _error(413, "too_large", f"gossip body over {cap} bytes")
+        body = await read_limited(request.content, cap)
+        if body is None:
+            metrics.rejected.labels("too_large").inc()
+            return _error(413, "too_large", f"gossip body over {cap} bytes")
+        try:
+            sender = agent.verifier.verify(request.headers, body)
+        except AuthenticationError as exc:
+            metrics.rejected.labels("auth").inc()
+            log.warning("gossip from %s refused: %s", request.remote, exc)
+            return _error(401, "auth", str(exc))
+        try:
+            message = wire.decode(body)
+            if message.sender != sender:
+                raise ProtocolError(f"body says it is from {message.sender!r}, headers say {sender!r}")
+        except ProtocolError as exc:
+            metrics.rejected.labels("decode").inc()
+            log.warning("gossip from %s refused: %s", sender, exc)
+            return _error(400, "decode", str(exc))
+        engine = agent.engine
+        if engine is None:
+            return _error(503, "starting", "agent is starting")
+        try:
+            reply = await engine.receive(message)
+        except StorageError as exc:
+            return _error(503, "redis", str(exc))
+        except ProtocolError as exc:
+            metrics.rejected.labels("decode").inc()
+            return _error(400, "decode", str(exc))
+        payload = wire.encode(reply)
+        headers = agent.signer.headers(payload, seq=int(request.headers[SEQ]))
+        headers["Content-Type"] = CONTENT_TYPE
+        return web.Response(body=payload, headers=headers)
+
+    app.router.add_post(GOSSIP_PATH, gossip)

@@ -1,0 +1,83 @@
+"""Prometheus metrics of an agent (one registry per agent, so several can share a process)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from geolimit.replication.gossip import GossipEngine
+
+__all__ = ["CONTENT_TYPE", "AgentMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineCollector(Collector):
+    """Reads the gossip engine's state at scrape time."""
+
+    def __init__(self, engine: Callable[[], GossipEngine | None], clock: Callable[[], float]) -> None:
+        self._engine = engine
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine()
+        if engine is None:
+            return
+        now = self._clock()
+        age = GaugeMetricFamily("geolimit_peer_contact_age_seconds", "Seconds since the last acknowledged exchange with a peer (-1: never)", labels=["peer"])
+        outbox = GaugeMetricFamily("geolimit_outbox_cells", "Cells waiting for a peer's acknowledgement", labels=["peer"])
+        lag = GaugeMetricFamily("geolimit_peer_lag_seconds", "Age of the oldest unacknowledged change for a peer", labels=["peer"])
+        sent = CounterMetricFamily("geolimit_gossip_cells_sent", "Cells acknowledged by a peer", labels=["peer"])
+        received = CounterMetricFamily("geolimit_gossip_cells_received", "Cells received from a peer", labels=["peer"])
+        errors = CounterMetricFamily("geolimit_peer_errors", "Failed exchanges with a peer", labels=["peer"])
+        ae = CounterMetricFamily("geolimit_anti_entropy_runs_ok", "Completed anti-entropy exchanges", labels=["peer"])
+        for peer in engine.peers.values():
+            age.add_metric([peer.name], -1.0 if peer.last_ok is None else now - peer.last_ok)
+            outbox.add_metric([peer.name], len(peer.outbox))
+            oldest = peer.outbox.oldest()
+            lag.add_metric([peer.name], 0.0 if oldest is None else now - oldest)
+            sent.add_metric([peer.name], peer.cells_sent)
+            received.add_metric([peer.name], peer.cells_received)
+            errors.add_metric([peer.name], peer.errors)
+            ae.add_metric([peer.name], peer.ae_ok)
+        yield from (age, outbox, lag, sent, received, errors, ae)
+        stats = engine.stats
+        yield CounterMetricFamily("geolimit_gossip_rounds", "Gossip rounds run", value=stats["rounds"])
+        yield CounterMetricFamily("geolimit_gossip_cells_drained", "Local cells drained for replication", value=stats["drained"])
+        yield CounterMetricFamily("geolimit_gossip_cells_relayed", "Cells relayed from one peer to another", value=stats["relayed"])
+        yield CounterMetricFamily("geolimit_gossip_cells_increased", "Received cells that raised local state", value=stats["increased"])
+        dropped = CounterMetricFamily("geolimit_gossip_cells_dropped", "Received cells outside the live window", labels=["reason"])
+        dropped.add_metric(["old"], stats["dropped_old"])
+        dropped.add_metric(["future"], stats["dropped_future"])
+        dropped.add_metric(["unknown_rule"], stats["unknown_rule"])
+        yield dropped
+        yield CounterMetricFamily("geolimit_redis_data_loss_detected", "Times this region's Redis lost shards' data", value=stats["wipes"])
+
+
+class AgentMetrics:
+    """Metrics owned by one agent."""
+
+    def __init__(self, engine: Callable[[], GossipEngine | None], clock: Callable[[], float] = time.time) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.decisions = Counter("geolimit_decisions", "Decisions by rule and result", ["rule", "result"], registry=self.registry)
+        self.decision_seconds = Histogram(
+            "geolimit_decision_seconds", "Decision latency (HTTP API, including Redis)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=self.registry,
+        )
+        self.round_seconds = Histogram(
+            "geolimit_gossip_round_seconds", "Duration of a gossip round (drain, queue, start sends)",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=self.registry,
+        )
+        self.send_seconds = Histogram(
+            "geolimit_gossip_send_seconds", "Round trip of one gossip message, peer merge included",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=self.registry,
+        )
+        self.rejected = Counter("geolimit_gossip_rejected", "Gossip requests refused, by reason", ["reason"], registry=self.registry)
+        self.registry.register(_EngineCollector(engine, clock))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,135 @@
+"""Running an agent as a process: logging, signals, exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import ssl
+import sys
+import time
+
+from geolimit.errors import ConfigError, GeolimitError
+from geolimit.server.agent import Agent
+from geolimit.server.config import AgentConfig, load_config
+
+__all__ = ["JsonFormatter", "cancel_gossip_loop", "configure_logging", "run_agent"]
+
+log = logging.getLogger("geolimit.agent")
+
+#: Seconds a graceful stop may take beyond the flush deadline before the agent aborts.
+STOP_GRACE = 10.0
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(fmt: str = "text", level: str = "INFO") -> None:
+    """Log to stderr in ``fmt`` ("text" or "json").
+
+    The handler sits on the root logger so that aiohttp's and asyncio's messages
+    come out in the same format (one JSON object per line with ``fmt="json"``);
+    ``level`` applies to geolimit's loggers, the others log warnings and above.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    ours = logging.getLogger("geolimit")
+    ours.handlers.clear()
+    ours.setLevel(level)
+    ours.propagate = True
+
+
+async def cancel_gossip_loop(agent: Agent, attempt: float = 0.1) -> None:
+    """Cancel the agent's gossip loop and wait until it has really ended.
+
+    On Python 3.11, ``asyncio.wait_for`` (which redis-py uses to write commands
+    when a socket timeout is set) swallows a cancellation that arrives just as the
+    awaited write completes (CPython gh-86296, fixed in 3.12). The loop then runs
+    on and a single ``cancel()`` followed by an unbounded wait never returns, so
+    cancel again until the task is done.
+    """
+    task: asyncio.Task[None] | None = getattr(agent, "_loop_task", None)
+    while task is not None and not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=attempt)
+
+
+async def _serve(config: AgentConfig, flush_timeout: float) -> int:
+    agent = Agent(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        return await _supervise(agent, config, stop, flush_timeout)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def _supervise(agent: Agent, config: AgentConfig, stop: asyncio.Event, flush_timeout: float) -> int:
+    try:
+        await agent.start()
+    except (GeolimitError, OSError, ssl.SSLError) as exc:
+        log.error("agent %s failed to start: %s", config.region, exc)
+        await cancel_gossip_loop(agent)
+        await agent.abort()
+        return 1
+    waiter = asyncio.ensure_future(agent.wait())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
+        stopper.cancel()
+        log.error("agent %s: stopping after a crash: %s", config.region, waiter.exception())
+        await agent.abort()
+        return 1
+    waiter.cancel()
+    stopper.cancel()
+    await asyncio.gather(waiter, stopper, return_exceptions=True)
+    log.info("agent %s: stopping (flushing outboxes for up to %.1fs)", config.region, flush_timeout)
+    try:
+        await cancel_gossip_loop(agent)
+        # The flush has its own deadline; the rest (closing connections, waiting for
+        # in-flight API requests) gets a bounded grace period, so SIGTERM always ends.
+        flushed = await asyncio.wait_for(agent.stop(flush_timeout), flush_timeout + STOP_GRACE)
+    except Exception as exc:
+        reason = f"not done within {flush_timeout + STOP_GRACE:.1f}s" if isinstance(exc, asyncio.TimeoutError) else repr(exc)
+        log.error("agent %s: graceful stop failed (%s); aborting", config.region, reason)
+        await cancel_gossip_loop(agent)
+        await agent.abort()
+        return 1
+    log.info("agent %s: stopped%s", config.region, "" if flushed else " (some cells were not delivered)")
+    return 0
+
+
+def run_agent(config_path: str, flush_timeout: float = 2.0) -> int:
+    """Run the agent of ``config_path`` until SIGTERM/SIGINT; the process exit code.
+
+    A bad config raises :class:`~geolimit.errors.ConfigError` (the CLI prints it and
+    exits 1). On SIGTERM the agent stops accepting, tries once to deliver its
+    outboxes within ``flush_timeout`` seconds, and returns 0.
+    """
+    if not flush_timeout >= 0:
+        raise ConfigError(f"the flush timeout must be >= 0 seconds, got {flush_timeout!r}")
+    config = load_config(config_path)
+    configure_logging(config.log_format, config.log_level)
+    return asyncio.run(_serve(config, flush_timeout))

@@ -1,0 +1,60 @@
+"""Fixtures of the agent server tests: a fresh Redis per test and agents started on loopback."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from geolimit import Rule
+from geolimit.server.agent import Agent
+from geolimit.server.config import AgentConfig, PeerConfig
+from geolimit.server.run import cancel_gossip_loop
+from geolimit.store.embedded import EmbeddedRedis
+from tests.support.regions import dead_url
+
+RULES = (Rule("api", 5, 10, 1), Rule("tiny", 2, 10, 1), Rule("hourly", 100, 3600, 360))
+StartAgent = Callable[..., Awaitable[Agent]]
+
+
+@pytest.fixture
+def region_redis(redis_server_factory: Callable[..., EmbeddedRedis]) -> Iterator[EmbeddedRedis]:
+    """A redis-server of its own for this test (tests stop and restart it)."""
+    server = redis_server_factory()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def start_agent(region_redis: EmbeddedRedis) -> AsyncIterator[StartAgent]:
+    """``await start_agent(run=True, **AgentConfig overrides)``: region "a" with one peer, "b", that is down."""
+    agents: list[Agent] = []
+
+    async def start(*, run: bool = True, **overrides: Any) -> Agent:
+        options: dict[str, Any] = {
+            "region": "a", "redis_url": region_redis.url, "listen": ("127.0.0.1", 0),
+            "secret": secrets.token_bytes(32), "peers": (PeerConfig("b", dead_url()),), "rules": RULES,
+            "interval": 0.05, "timeout": 1.0, "max_backoff": 0.5,
+        }
+        agent = Agent(AgentConfig(**(options | overrides)))
+        agents.append(agent)
+        await (agent.start() if run else agent.listen())
+        return agent
+
+    try:
+        yield start
+    finally:
+        for agent in agents:
+            await cancel_gossip_loop(agent)  # a plain abort() can hang on Python 3.11: see its docstring
+            await agent.abort()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+        yield s
