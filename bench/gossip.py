@@ -95,7 +95,7 @@ async def p5(quick: bool) -> dict[str, Any]:
         for lim in limiters.values():
             stack.push_async_callback(lim.aclose)
         deadline = time.monotonic() + 30
-        while not all(a.readiness()[0] for a in agents.values()):  # noqa: ASYNC110 - polling with a deadline
+        while not all(a.readiness()[0] for a in agents.values()):
             if time.monotonic() > deadline:
                 raise RuntimeError("agents not ready after 30 s")
             await asyncio.sleep(0.05)
