@@ -167,8 +167,11 @@ class AsyncLimiter(LimiterBase):
     async def _lane(self) -> None:
         try:
             while self._queue:
-                batch = self._queue[: self._max_batch]
-                del self._queue[: self._max_batch]
+                # Share the queue between the lanes that can run now, so one batch is
+                # being decided in Redis while the next is encoded and decoded here.
+                size = min(self._max_batch, -(-len(self._queue) // self._max_in_flight))
+                batch = self._queue[:size]
+                del self._queue[:size]
                 requests = [request for request, _ in batch]
                 try:
                     decisions = await self._decide(requests)

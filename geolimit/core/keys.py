@@ -7,8 +7,8 @@ so all rules of a subject, and the shard's bookkeeping keys, share a slot::
     gl:{17}:api:user:42     hash: the buckets of rule "api" for subject "user:42"
     gl:{17}#r               hash: slot registry of shard 17 ("@" = own incarnation)
     gl:{17}#c               hash: keys changed since the agent last drained shard 17
-    gl:{17}#a               string with a TTL: the agent's lease; changes are only
-                            tracked while a replication agent holds it
+                            (recorded only while the agent's lease, registry field
+                            "a", has not expired)
     gl#rules                hash: rule name -> "window_us/resolution_us"
 
 The subject is raw bytes after the rule name; braces, colons, spaces and any
@@ -85,13 +85,10 @@ class KeyLayout:
     def changed_key(self, shard: int) -> bytes:
         return self.tag(shard) + b"#c"
 
-    def lease_key(self, shard: int) -> bytes:
-        return self.tag(shard) + b"#a"
-
-    def aux_keys(self, shard: int) -> tuple[bytes, bytes, bytes]:
-        """``(registry, changed, lease)`` of a shard, in the order scripts expect."""
+    def aux_keys(self, shard: int) -> tuple[bytes, bytes]:
+        """``(registry, changed)`` of a shard, in the order scripts expect."""
         tag = self.tag(shard)
-        return tag + b"#r", tag + b"#c", tag + b"#a"
+        return tag + b"#r", tag + b"#c"
 
     @property
     def rules_key(self) -> bytes:

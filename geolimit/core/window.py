@@ -211,7 +211,7 @@ def read_key(
             continue
         f = int(name)
         base = -f - 1 if f < 0 else f
-        if bucket_at(base % ring, head, ring) <= current - ring:
+        if bucket_at(base % ring, head, ring) < current - buckets:
             stale.append(name)
         elif f < 0:
             floors[base] = int(raw)

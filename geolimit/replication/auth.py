@@ -118,7 +118,7 @@ class Verifier:
         if not abs(now - when) <= self.window:
             raise AuthenticationError(f"message time is {now - when:+.1f}s off (allowed ±{self.window:g}s)")
         expected = sign(self._secret, region, stamp, seq_s, body)
-        if not hmac.compare_digest(expected, signature):
+        if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace")):
             raise AuthenticationError("bad signature")
         if expect_seq is not None:
             if seq != expect_seq:

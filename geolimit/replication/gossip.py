@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from geolimit.aio import cancel_and_wait
 from geolimit.core.window import bucket_of
 from geolimit.errors import GeolimitError, ProtocolError, StorageError
 from geolimit.replication import wire
@@ -92,7 +93,6 @@ class GossipEngine:
         self.peers = {name: PeerState(name, Outbox(self.settings.outbox_limit)) for name in peers}
         self._tasks: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
-        self._lease_due = 0.0
         self._prune_due = 0.0
         self.own_slots: dict[int, str] = {}
         self.stats: dict[str, float] = dict.fromkeys(
@@ -108,9 +108,7 @@ class GossipEngine:
             raise self._failure
         started = self.clock()
         now = started
-        if now >= self._lease_due:
-            await self._maintain(now)
-        drained = await self.store.drain()
+        drained = await self.store.drain(int(self.settings.lease_ttl * 1_000_000))
         self._check_incarnations(drained.own_slots)
         self.stats["drained"] += len(drained.cells)
         self.stats["unknown_rule"] += drained.unknown
@@ -140,9 +138,7 @@ class GossipEngine:
 
     async def cancel(self) -> None:
         """Cancel every send and anti-entropy task (abort, or after a failed flush)."""
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))
 
     async def flush(self, deadline: float) -> bool:
         """Shutdown: drain once, try to deliver every outbox before ``deadline`` (clock time)."""
@@ -154,7 +150,7 @@ class GossipEngine:
 
     async def _flush(self) -> None:
         await self.settle()
-        drained = await self.store.drain()
+        drained = await self.store.drain(int(self.settings.lease_ttl * 1_000_000))
         now = self.clock()
         for peer in self.peers.values():
             peer.outbox.extend(_keyed(drained.cells), now)
@@ -177,10 +173,6 @@ class GossipEngine:
             self._failure = task.exception()
             log.error("gossip task crashed", exc_info=self._failure)
 
-    async def _maintain(self, now: float) -> None:
-        await self.store.refresh_leases(int(self.settings.lease_ttl * 1000))
-        self._lease_due = now + self.settings.lease_ttl / 3
-
     def _check_incarnations(self, current: dict[int, str]) -> None:
         """A shard whose own slot changed lost its data: repair it from the peers."""
         wiped = [s for s, slot in current.items() if s in self.own_slots and self.own_slots[s] != slot]
@@ -188,7 +180,6 @@ class GossipEngine:
         if wiped:
             self.stats["wipes"] += 1
             log.warning("region %s: Redis lost the data of %d shards; repairing from peers", self.region, len(wiped))
-            self._lease_due = 0.0  # the lease keys went with the data
             for peer in self.peers.values():
                 peer.ae_needed = True
 

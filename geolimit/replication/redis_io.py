@@ -74,10 +74,11 @@ class ReplicationStore:
         now = self._now()
         return b"" if now is None else b"%d" % now
 
-    async def drain(self) -> Drained:
-        """Take every shard's changes since the last drain (one pipelined round trip)."""
-        head = [self._clock_arg(), self._region_b, self._nonce, new_incarnation(self._nonce), *self._rule_args]
-        calls = [[b"2", *self.layout.aux_keys(s)[:2], *head] for s in range(self.layout.shards)]
+    async def drain(self, lease_us: int = 15_000_000) -> Drained:
+        """Take every shard's changes since the last drain (one pipelined round trip)
+        and renew the lease that makes apps record changes for the next ``lease_us``."""
+        head = [self._clock_arg(), self._region_b, self._nonce, new_incarnation(self._nonce), b"%d" % lease_us, *self._rule_args]
+        calls = [[b"2", *self.layout.aux_keys(s), *head] for s in range(self.layout.shards)]
         replies = await self.store.run_many(_DRAIN, calls)
         out = Drained()
         for shard, reply in enumerate(replies):
@@ -189,17 +190,6 @@ class ReplicationStore:
                 for key in keys:
                     pipe.hgetall(key)
                 return list(await pipe.execute())
-        except RedisError as exc:
-            raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
-
-    async def refresh_leases(self, ttl_ms: int) -> None:
-        """Ask apps to track changes for this agent for the next ``ttl_ms``."""
-        client = self.store.client()
-        try:
-            async with client.pipeline(transaction=False) as pipe:
-                for shard in range(self.layout.shards):
-                    pipe.set(self.layout.lease_key(shard), b"1", px=ttl_ms)
-                await pipe.execute()
         except RedisError as exc:
             raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
 

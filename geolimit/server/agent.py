@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from geolimit.aio import cancel_and_wait
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.core.clock import Clock, micros_source
 from geolimit.errors import GeolimitError, StorageError
@@ -166,8 +167,7 @@ class Agent:
     async def _cancel_loop(self) -> None:
         task, self._loop_task = self._loop_task, None
         if task is not None and not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
 
     async def _close(self) -> None:
         for runner in self._runners:

@@ -14,7 +14,7 @@ from geolimit.errors import ConfigError, GeolimitError
 from geolimit.server.agent import Agent
 from geolimit.server.config import AgentConfig, load_config
 
-__all__ = ["JsonFormatter", "cancel_gossip_loop", "configure_logging", "run_agent"]
+__all__ = ["JsonFormatter", "configure_logging", "run_agent"]
 
 log = logging.getLogger("geolimit.agent")
 
@@ -58,21 +58,6 @@ def configure_logging(fmt: str = "text", level: str = "INFO") -> None:
     ours.propagate = True
 
 
-async def cancel_gossip_loop(agent: Agent, attempt: float = 0.1) -> None:
-    """Cancel the agent's gossip loop and wait until it has really ended.
-
-    On Python 3.11, ``asyncio.wait_for`` (which redis-py uses to write commands
-    when a socket timeout is set) swallows a cancellation that arrives just as the
-    awaited write completes (CPython gh-86296, fixed in 3.12). The loop then runs
-    on and a single ``cancel()`` followed by an unbounded wait never returns, so
-    cancel again until the task is done.
-    """
-    task: asyncio.Task[None] | None = getattr(agent, "_loop_task", None)
-    while task is not None and not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=attempt)
-
-
 async def _serve(config: AgentConfig, flush_timeout: float) -> int:
     agent = Agent(config)
     stop = asyncio.Event()
@@ -91,7 +76,6 @@ async def _supervise(agent: Agent, config: AgentConfig, stop: asyncio.Event, flu
         await agent.start()
     except (GeolimitError, OSError, ssl.SSLError) as exc:
         log.error("agent %s failed to start: %s", config.region, exc)
-        await cancel_gossip_loop(agent)
         await agent.abort()
         return 1
     waiter = asyncio.ensure_future(agent.wait())
@@ -107,14 +91,12 @@ async def _supervise(agent: Agent, config: AgentConfig, stop: asyncio.Event, flu
     await asyncio.gather(waiter, stopper, return_exceptions=True)
     log.info("agent %s: stopping (flushing outboxes for up to %.1fs)", config.region, flush_timeout)
     try:
-        await cancel_gossip_loop(agent)
         # The flush has its own deadline; the rest (closing connections, waiting for
         # in-flight API requests) gets a bounded grace period, so SIGTERM always ends.
         flushed = await asyncio.wait_for(agent.stop(flush_timeout), flush_timeout + STOP_GRACE)
     except Exception as exc:
         reason = f"not done within {flush_timeout + STOP_GRACE:.1f}s" if isinstance(exc, asyncio.TimeoutError) else repr(exc)
         log.error("agent %s: graceful stop failed (%s); aborting", config.region, reason)
-        await cancel_gossip_loop(agent)
         await agent.abort()
         return 1
     log.info("agent %s: stopped%s", config.region, "" if flushed else " (some cells were not delivered)")

@@ -37,7 +37,7 @@ class HitRequest:
 
     rules: tuple[Rule, ...]
     shard: int
-    keys: tuple[bytes, ...]  # registry, changed, lease, then one data key per rule
+    keys: tuple[bytes, ...]  # registry, changed, then one data key per rule
     args: tuple[bytes, ...]  # consume, cost, nrules, then 6 per rule
     resp_keys: bytes  # ``keys`` RESP-encoded, for the pre-packed path
     resp_args: bytes  # ``args`` RESP-encoded
@@ -85,7 +85,7 @@ class RequestBuilder:
 
     def __init__(self, layout: KeyLayout) -> None:
         self.layout = layout
-        self._aux: dict[int, tuple[tuple[bytes, bytes, bytes], bytes]] = {}
+        self._aux: dict[int, tuple[tuple[bytes, bytes], bytes]] = {}
 
     def build(self, plans: Sequence[RulePlan], subject: bytes, cost: int, consume: bool) -> HitRequest:
         layout = self.layout
@@ -94,6 +94,19 @@ class RequestBuilder:
         if aux is None:
             keys = layout.aux_keys(shard)
             aux = self._aux[shard] = (keys, b"".join(map(_bulk, keys)))
+        if len(plans) == 1:  # the common case, without the general loop
+            plan = plans[0]
+            key = layout.tag(shard) + b":" + plan.name + b":" + subject
+            flag, flag_resp = _FLAGS[consume]
+            cost_b = b"%d" % cost
+            return HitRequest(
+                (plan.rule,),
+                shard,
+                (*aux[0], key),
+                (flag, cost_b, b"1", *plan.args),
+                aux[1] + b"$%d\r\n%b\r\n" % (len(key), key),
+                b"%b$%d\r\n%b\r\n$1\r\n1\r\n%b" % (flag_resp, len(cost_b), cost_b, plan.resp),
+            )
         tag = layout.tag(shard) + b":"
         data_keys = tuple(tag + p.name + b":" + subject for p in plans)
         flag, flag_resp = _FLAGS[consume]
@@ -168,6 +181,9 @@ def decode_hit(reply: object, requests: Sequence[HitRequest]) -> list[Decision]:
     """Turn ``hit.lua``'s flat integer reply into one :class:`Decision` per request."""
     if not isinstance(reply, list):
         raise StorageError(f"unexpected reply from hit script: {reply!r}")
+    if len(requests) == 1 and len(requests[0].rules) == 1 and len(reply) == 5:
+        r = rule_decision(requests[0].rules[0], reply[1], reply[2], reply[3], reply[4])
+        return [Decision(r.allowed, r.limit, r.remaining, r.retry_after, r.reset_after, r.rule, (r,))]
     out: list[Decision] = []
     i = 0
     try:

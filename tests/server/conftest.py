@@ -12,7 +12,6 @@ import pytest
 from geolimit import Rule
 from geolimit.server.agent import Agent
 from geolimit.server.config import AgentConfig, PeerConfig
-from geolimit.server.run import cancel_gossip_loop
 from geolimit.store.embedded import EmbeddedRedis
 from tests.support.regions import dead_url
 
@@ -50,7 +49,6 @@ async def start_agent(region_redis: EmbeddedRedis) -> AsyncIterator[StartAgent]:
         yield start
     finally:
         for agent in agents:
-            await cancel_gossip_loop(agent)  # a plain abort() can hang on Python 3.11: see its docstring
             await agent.abort()
 
 

@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from geolimit import Rule
 from geolimit.replication.auth import Signer
 from geolimit.server.agent import Agent
-from geolimit.server.run import cancel_gossip_loop
 from geolimit.store.embedded import EmbeddedRedis
 from tests.server.conftest import StartAgent
 from tests.server.helpers import call, check
@@ -160,19 +159,15 @@ async def test_gossip_between_agents_is_unaffected_by_api_tokens(
     async with Regions(redis_server_factory, ["a", "b"], [Rule("api", 5, 10, 1)], interval=0.05,
                        api_token=token) as rs:
         a, b = rs["a"].agent, rs["b"].agent
-        try:
-            assert (await check(session, a, U | {"cost": 2}, headers=auth))[0] == 200
+        assert (await check(session, a, U | {"cost": 2}, headers=auth))[0] == 200
 
-            async def b_sees_it() -> bool:
-                status, usage = await get(session, b, "/v1/usage?rule=api&subject=user:42", headers=auth)
-                return status == 200 and usage["regions"] == {"a": 2}
+        async def b_sees_it() -> bool:
+            status, usage = await get(session, b, "/v1/usage?rule=api&subject=user:42", headers=auth)
+            return status == 200 and usage["regions"] == {"a": 2}
 
-            await eventually(b_sees_it, what="a's hit replicated to b")
-            status, d = await check(session, b, U | {"cost": 4}, headers=auth)
-            assert (status, d["allowed"], d["remaining"]) == (200, False, 3)
-        finally:
-            for region in rs.regions.values():
-                await cancel_gossip_loop(region.agent)
+        await eventually(b_sees_it, what="a's hit replicated to b")
+        status, d = await check(session, b, U | {"cost": 4}, headers=auth)
+        assert (status, d["allowed"], d["remaining"]) == (200, False, 3)
 
 
 async def test_redis_down_gives_503_while_status_and_health_keep_answering(

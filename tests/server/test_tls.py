@@ -12,7 +12,6 @@ import pytest
 
 from geolimit.server.agent import Agent
 from geolimit.server.config import load_config
-from geolimit.server.run import cancel_gossip_loop
 from geolimit.store.embedded import EmbeddedRedis
 from tests.server.helpers import Cert, call, dump_toml, make_cert, region_config, write_secret
 from tests.support.regions import eventually
@@ -54,7 +53,6 @@ async def two_regions(
         yield agents
     finally:
         for agent in agents.values():
-            await cancel_gossip_loop(agent)
             await agent.abort()
         for server in servers.values():
             server.stop()

@@ -30,7 +30,7 @@ def dead_url() -> str:
 @dataclass
 class Region:
     name: str
-    redis: EmbeddedRedis
+    server: EmbeddedRedis
     config: AgentConfig
     agent: Agent
     clock: Any = None
@@ -38,12 +38,12 @@ class Region:
 
     def app(self) -> Limiter:
         """A Python app of this region: a Limiter on the region's Redis (sharing the regions' clock)."""
-        limiter = Limiter.from_url(self.redis.url, region=self.name, rules=self.config.rules, clock=self.clock)
+        limiter = Limiter.from_url(self.server.url, region=self.name, rules=self.config.rules, clock=self.clock)
         self.apps.append(limiter)
         return limiter
 
     def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis.url)
+        return redis.Redis.from_url(self.server.url)
 
 
 class Regions:

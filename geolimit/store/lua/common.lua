@@ -45,11 +45,20 @@ local function ensure_registry(reg, region, nonce, candidate)
   return own
 end
 
+-- The registry check of a write: creates the registry if missing and says
+-- whether a replication agent holds the lease (field 'a': expiry, in the same
+-- clock as decisions), i.e. whether changes must be recorded for it.
+local function tracking(reg, region, nonce, now)
+  local got = call('HMGET', reg, '@', 'a')
+  if not got[1] then ensure_registry(reg, region, nonce) end
+  return got[2] and tonumber(got[2]) > now
+end
+
 -- Reads a key's buckets relative to bucket c.
 -- Returns sums[0..N] (effective total of bucket c - d), futs (bucket -> total
 -- for buckets newer than c), head (nil for a new key), own (raw value of this
--- region's field for bucket c) and stale (fields the head will pass over when it
--- moves to c).
+-- region's field for bucket c) and stale (fields of buckets that have left the
+-- window, deleted by the next write).
 local function load_window(key, c, N, M)
   local flat = call('HGETALL', key)
   local n = #flat
@@ -62,7 +71,7 @@ local function load_window(key, c, N, M)
   end
   if not h then h = c end
   local stale, futs, floors = {}, nil, nil
-  local own, ownf, old = 0, c % M, c - M
+  local own, ownf, old = 0, c % M, c - N - 1
   for i = 1, n, 2 do
     local fs = flat[i]
     if fs ~= 'h' then

@@ -1,6 +1,7 @@
 -- drain: hand the replication agent this shard's changes since the last drain.
 -- KEYS: registry, changed
--- ARGV: now_us|'', region, nonce, candidate incarnation, nrules, then per rule: name, res_us, N, M
+-- ARGV: now_us|'', region, nonce, candidate incarnation, lease_us, nrules, then per rule: name, res_us, N, M
+-- Also renews the agent's lease (registry field 'a'): apps record changes while it lasts.
 -- Reply: {own_slot_id, registry, unknown, key, cells, key, cells, ...}
 --   cells: flat bucket, slot_index, value, floor. A key changed by a reset comes
 --   with every live cell of every slot and registry is then the registry's flat
@@ -8,9 +9,10 @@
 local now = clock(ARGV[1])
 local reg, chg = KEYS[1], KEYS[2]
 local own = ensure_registry(reg, ARGV[2], ARGV[3], ARGV[4])
+call('HSET', reg, 'a', now + tonumber(ARGV[5]))
 local rules = {}
-local a = 6
-for _ = 1, tonumber(ARGV[5]) do
+local a = 7
+for _ = 1, tonumber(ARGV[6]) do
   rules[ARGV[a]] = {tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])}
   a = a + 4
 end

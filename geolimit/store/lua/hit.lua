@@ -1,6 +1,6 @@
 -- hit: decide a batch of requests atomically; each request is all-or-nothing
 -- over its rules and consumes nothing unless every rule allows it.
--- KEYS per request: registry, changed, lease, then one data key per rule.
+-- KEYS per request: registry, changed, then one data key per rule.
 -- ARGV: now_us|'', region, nonce, nreq, then per request:
 --   consume (1|0), cost, nrules, then per rule: limit, res_us, N, M, ttl_ms, approx (1|0)
 -- Returns per request: allowed, then per rule: allowed, used, retry_us, reset_us.
@@ -11,8 +11,8 @@ local ai, ki = 5, 1
 for _ = 1, tonumber(ARGV[4]) do
   local consume, cost, nr = ARGV[ai] == '1', tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
   ai = ai + 3
-  local reg, chg, lease = KEYS[ki], KEYS[ki + 1], KEYS[ki + 2]
-  ki = ki + 3
+  local reg, chg = KEYS[ki], KEYS[ki + 1]
+  ki = ki + 2
   local res_all, rs = true, {}
   for j = 1, nr do
     local limit, res, N, M = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2]), tonumber(ARGV[ai + 3])
@@ -25,8 +25,7 @@ for _ = 1, tonumber(ARGV[4]) do
   end
   local consumed = res_all and consume
   if consumed and cost > 0 then
-    ensure_registry(reg, region, nonce)
-    local track = call('EXISTS', lease) == 1
+    local track = tracking(reg, region, nonce, now)
     for j = 1, nr do
       local key, r = KEYS[ki + j - 1], rs[j]
       local c, M, h = r[7], r[8], r[10]
