@@ -9,6 +9,8 @@ so all rules of a subject, and the shard's bookkeeping keys, share a slot::
     gl:{17}#c               hash: keys changed since the agent last drained shard 17
                             (recorded only while the agent's lease, registry field
                             "a", has not expired)
+    gl:{17}#p               hash: peer freshness for prediction and partition
+                            policies (region -> counts current until, "#R" -> regions)
     gl#rules                hash: rule name -> "window_us/resolution_us"
 
 The subject is raw bytes after the rule name; braces, colons, spaces and any
@@ -85,10 +87,13 @@ class KeyLayout:
     def changed_key(self, shard: int) -> bytes:
         return self.tag(shard) + b"#c"
 
-    def aux_keys(self, shard: int) -> tuple[bytes, bytes]:
-        """``(registry, changed)`` of a shard, in the order scripts expect."""
+    def peers_key(self, shard: int) -> bytes:
+        return self.tag(shard) + b"#p"
+
+    def aux_keys(self, shard: int) -> tuple[bytes, bytes, bytes]:
+        """``(registry, changed, peers)`` of a shard, in the order scripts expect."""
         tag = self.tag(shard)
-        return tag + b"#r", tag + b"#c"
+        return tag + b"#r", tag + b"#c", tag + b"#p"
 
     @property
     def rules_key(self) -> bytes:

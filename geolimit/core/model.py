@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from geolimit.core.gcounter import Cell, KeyState, effective, join, slot_id
+from geolimit.core.gcounter import Cell, KeyState, effective, join, parse_slot_id, slot_id
+from geolimit.core.policy import reserve
 from geolimit.core.rule import Rule
 from geolimit.core.window import Evaluation, bucket_of, evaluate, window_sums
 
@@ -24,6 +25,9 @@ class ModelStore:
     region: str
     incarnation: str = "0"
     keys: dict[tuple[str, bytes], KeyState] = field(default_factory=dict)
+    #: peer region -> when its counts were last current (what the agent publishes)
+    peer_known: dict[str, int] = field(default_factory=dict)
+    regions: int = 1
 
     @property
     def own_slot(self) -> str:
@@ -37,6 +41,32 @@ class ModelStore:
         totals = {b: effective(slots) for b, slots in state.items() if low <= b <= high}
         return window_sums(totals, current, rule.buckets)
 
+    def reservation(self, rule: Rule, subject: bytes, now_us: int) -> tuple[float, bool]:
+        """Units set aside for peers, and whether policy ``closed`` denies."""
+        if not (rule.predict or rule.partition != "local"):
+            return 0.0, False
+        state = self.keys.get((rule.name, subject), {})
+        current = bucket_of(now_us, rule.resolution_us)
+        counts: dict[str, int] = {}
+        recent: dict[str, int] = {}
+        for bucket, slots in state.items():
+            delta = current - bucket
+            if not 0 <= delta <= rule.buckets:
+                continue
+            for slot, cell in slots.items():
+                region = parse_slot_id(slot)[0]
+                if region == self.region:
+                    continue
+                counts[region] = counts.get(region, 0) + cell.effective
+                if delta <= 1:
+                    recent[region] = recent.get(region, 0) + cell.effective
+        found = reserve(
+            limit=rule.limit, resolution_us=rule.resolution_us, now_us=now_us, counts=counts,
+            recent=recent, known_until=self.peer_known, regions=self.regions, predict=rule.predict,
+            partition=rule.partition, partition_after_us=rule.partition_after_us,
+        )
+        return found.units, found.closed
+
     def hit(
         self,
         rules: Sequence[Rule],
@@ -47,9 +77,11 @@ class ModelStore:
     ) -> list[Evaluation]:
         """All-or-nothing over ``rules``; the same outcome as ``hit.lua``."""
         windows = [self.sums(rule, subject, now_us) for rule in rules]
+        held = [self.reservation(rule, subject, now_us) for rule in rules]
         admitted = all(
-            evaluate(s, f, now_us, cost, r.limit, r.resolution_us, r.mode == "approximate", False).allowed
-            for r, (s, f) in zip(rules, windows, strict=True)
+            not closed
+            and evaluate(s, f, now_us, cost, r.limit, r.resolution_us, r.mode == "approximate", False, units).allowed
+            for r, (s, f), (units, closed) in zip(rules, windows, held, strict=True)
         )
         consumed = admitted and consume
         if consumed and cost > 0:
@@ -58,10 +90,13 @@ class ModelStore:
                 bucket = bucket_of(now_us, rule.resolution_us)
                 cell = state.setdefault(bucket, {}).get(self.own_slot, Cell())
                 state[bucket][self.own_slot] = Cell(cell.value + cost, cell.floor)
-        return [
-            evaluate(s, f, now_us, cost, r.limit, r.resolution_us, r.mode == "approximate", consumed)
-            for r, (s, f) in zip(rules, windows, strict=True)
-        ]
+        out = []
+        for r, (s, f), (units, closed) in zip(rules, windows, held, strict=True):
+            result = evaluate(s, f, now_us, cost, r.limit, r.resolution_us, r.mode == "approximate", consumed, units)
+            if closed:
+                result = Evaluation(False, result.used, r.resolution_us, result.reset_after_us)
+            out.append(result)
+        return out
 
     def reset(self, rules: Sequence[Rule], subject: bytes, now_us: int) -> None:
         """Raise every live slot's floor to its value (``reset.lua``)."""

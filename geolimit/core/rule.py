@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from geolimit.errors import ConfigError
 
-__all__ = ["MAX_BUCKETS", "MAX_CLOCK_SKEW", "Mode", "Rule", "parse_duration", "parse_rate"]
+__all__ = ["MAX_BUCKETS", "MAX_CLOCK_SKEW", "Mode", "Partition", "Rule", "parse_duration", "parse_rate"]
 
 Mode = Literal["strict", "approximate"]
+Partition = Literal["local", "share", "closed"]
 
 #: Clock skew between regions that replicated entries may carry, in seconds.
 #: Entries further in the future than this are dropped (anti-entropy re-sends
@@ -112,6 +113,13 @@ class Rule:
     a whole multiple of it. ``mode="strict"`` (the default) never admits more than
     ``limit`` in any true window within one region; ``"approximate"`` weights the
     oldest bucket by its overlap with the window, admitting slightly more.
+
+    Across regions (see :mod:`geolimit.core.policy`): ``predict`` reserves budget
+    for what peers probably admitted since their counts were last current;
+    ``partition`` decides what happens once a peer's counts are older than
+    ``partition_after`` seconds: ``"local"`` keeps deciding on the last known
+    counts, ``"share"`` caps every side of the partition at its fair share,
+    ``"closed"`` denies. None of these change the rule's keys.
     """
 
     name: str
@@ -119,6 +127,9 @@ class Rule:
     window: float
     resolution: float | None = None
     mode: Mode = "strict"
+    predict: bool = True
+    partition: Partition = "local"
+    partition_after: float = 1.0
 
     resolution_us: int = field(init=False, repr=False, compare=False)
     window_us: int = field(init=False, repr=False, compare=False)
@@ -126,6 +137,7 @@ class Rule:
     future: int = field(init=False, repr=False, compare=False)
     ring: int = field(init=False, repr=False, compare=False)
     ttl_ms: int = field(init=False, repr=False, compare=False)
+    partition_after_us: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -140,6 +152,13 @@ class Rule:
             raise ConfigError(
                 f"rule {self.name!r}: mode must be 'strict' or 'approximate', got {self.mode!r}"
             )
+        if self.partition not in ("local", "share", "closed"):
+            raise ConfigError(
+                f"rule {self.name!r}: partition must be 'local', 'share' or 'closed', got {self.partition!r}"
+            )
+        if not isinstance(self.predict, bool):
+            raise ConfigError(f"rule {self.name!r}: predict must be true or false, got {self.predict!r}")
+        object.__setattr__(self, "partition_after_us", _to_us(self.partition_after, "partition_after", self.name))
         window_us = _to_us(self.window, "window", self.name)
         resolution = self.window / 10 if self.resolution is None else self.resolution
         resolution_us = _to_us(resolution, "resolution", self.name)
@@ -180,6 +199,7 @@ class Rule:
         rate: str,
         resolution: float | str | None = None,
         mode: Mode = "strict",
+        **options: Any,
     ) -> Rule:
         """Build a rule from a rate string: ``Rule.from_string("api", "100/minute")``.
 
@@ -188,11 +208,11 @@ class Rule:
         limit, window = parse_rate(rate)
         if isinstance(resolution, str):
             resolution = parse_duration(resolution)
-        return cls(name, limit, window, resolution, mode)
+        return cls(name, limit, window, resolution, mode, **options)
 
     def with_limit(self, limit: int) -> Rule:
         """The same rule (same keys) with another limit."""
-        return Rule(self.name, limit, self.window, self.resolution, self.mode)
+        return replace(self, limit=limit)
 
     @property
     def structure(self) -> tuple[int, int]:

@@ -107,18 +107,20 @@ def evaluate(
     resolution_us: int,
     approximate: bool = False,
     consume: bool = True,
+    reserve: float = 0.0,
 ) -> Evaluation:
     """Decide one rule. ``sums`` is as returned by :func:`window_sums`.
 
     Strict mode counts all N + 1 buckets that overlap the true window
     ``(now - window, now]``, so no true window ever holds more than ``limit``.
     Approximate mode weights the oldest bucket by the fraction of it that is
-    still inside the window.
+    still inside the window. ``reserve`` is added to the count (units set aside
+    for peers, see :mod:`geolimit.core.policy`).
     """
     n = len(sums) - 1
     current = now_us // resolution_us
     weight = ((current + 1) * resolution_us - now_us) / resolution_us
-    newer = sum(sums[:n])
+    newer = reserve + sum(sums[:n])
     count: float = newer + (sums[n] * weight if approximate else sums[n])
     allowed = count + cost <= limit
     used_f = count + cost if (allowed and consume) else count
@@ -128,9 +130,9 @@ def evaluate(
     elif cost > limit:
         retry_us = -1
     elif approximate:
-        retry_us = _retry_approximate(sums, now_us, cost, limit, resolution_us, weight)
+        retry_us = _retry_approximate(sums, now_us, cost, limit, resolution_us, weight, reserve)
     else:
-        retry_us = _retry_strict(sums, now_us, cost, limit, resolution_us)
+        retry_us = _retry_strict(sums, now_us, cost, limit, resolution_us, reserve)
     latest = -1
     if allowed and consume and cost > 0:
         latest = current
@@ -147,23 +149,23 @@ def evaluate(
     return Evaluation(allowed, used, retry_us, max(0, reset_us))
 
 
-def _retry_strict(sums: list[int], now_us: int, cost: int, limit: int, res: int) -> int:
+def _retry_strict(sums: list[int], now_us: int, cost: int, limit: int, res: int, reserve: float = 0.0) -> int:
     n = len(sums) - 1
     current = now_us // res
-    remaining = sum(sums)
+    remaining = reserve + sum(sums)
     for k in range(1, n + 2):
         remaining -= sums[n - k + 1]
         if remaining + cost <= limit:
             return (current + k) * res - now_us
-    return (current + n + 1) * res - now_us  # pragma: no cover - loop always returns
+    return (current + n + 1) * res - now_us  # only reachable with a reservation
 
 
 def _retry_approximate(
-    sums: list[int], now_us: int, cost: int, limit: int, res: int, weight: float
+    sums: list[int], now_us: int, cost: int, limit: int, res: int, weight: float, reserve: float = 0.0
 ) -> int:
     n = len(sums) - 1
     current = now_us // res
-    newer = sum(sums[:n])
+    newer = reserve + sum(sums[:n])
     for k in range(0, n + 1):
         if k > 0:
             newer -= sums[n - k]

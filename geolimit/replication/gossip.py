@@ -29,6 +29,9 @@ __all__ = ["EngineSettings", "GossipEngine", "PeerState"]
 
 log = logging.getLogger("geolimit.gossip")
 
+#: Age reported for a peer never heard from (about a year).
+NEVER_HEARD_US = 365 * 86_400 * 1_000_000
+
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -63,6 +66,7 @@ class PeerState:
     ae_ok: int = 0
     cells_sent: int = 0
     cells_received: int = 0
+    rtt: float = 0.0  # smoothed round trip of our messages to this peer (seconds)
     deferred: list[tuple[float, str, float, list[Cell6]]] = field(default_factory=list)
 
     def acked_from(self, target: str) -> float | None:
@@ -108,7 +112,7 @@ class GossipEngine:
             raise self._failure
         started = self.clock()
         now = started
-        drained = await self.store.drain(int(self.settings.lease_ttl * 1_000_000))
+        drained = await self.store.drain(int(self.settings.lease_ttl * 1_000_000), self.peer_ages(now))
         self._check_incarnations(drained.own_slots)
         self.stats["drained"] += len(drained.cells)
         self.stats["unknown_rule"] += drained.unknown
@@ -150,8 +154,8 @@ class GossipEngine:
 
     async def _flush(self) -> None:
         await self.settle()
-        drained = await self.store.drain(int(self.settings.lease_ttl * 1_000_000))
         now = self.clock()
+        drained = await self.store.drain(int(self.settings.lease_ttl * 1_000_000), self.peer_ages(now))
         for peer in self.peers.values():
             peer.outbox.extend(_keyed(drained.cells), now)
             for _, _, _, cells in peer.deferred:
@@ -172,6 +176,22 @@ class GossipEngine:
         if not task.cancelled() and task.exception() is not None and self._failure is None:
             self._failure = task.exception()
             log.error("gossip task crashed", exc_info=self._failure)
+
+    def peer_ages(self, now: float) -> dict[str, int]:
+        """How old each peer's counts are here (µs), for prediction and partition policies.
+
+        A peer's counts are current as of its last drain before it last sent to us
+        directly: our receive time, minus half the round trip, minus up to one
+        interval of drain lag. A peer never heard from is as stale as can be.
+        """
+        ages: dict[str, int] = {}
+        for peer in self.peers.values():
+            if peer.last_heard is None:
+                ages[peer.name] = NEVER_HEARD_US
+            else:
+                lag = now - peer.last_heard + self.settings.interval + peer.rtt / 2
+                ages[peer.name] = int(lag * 1_000_000)
+        return ages
 
     def _check_incarnations(self, current: dict[int, str]) -> None:
         """A shard whose own slot changed lost its data: repair it from the peers."""
@@ -204,13 +224,15 @@ class GossipEngine:
         try:
             while True:
                 snapshot = peer.outbox.snapshot(self.settings.max_cells_per_message)
-                peer.last_attempt = self.clock()
+                peer.last_attempt = sent_at = self.clock()
                 cells = [(k[0], k[1], k[2], k[3], v, f) for k, v, f in snapshot]
                 try:
                     reply = await self.transport.send(peer.name, self.message("delta", cells))
                 except (TransportError, ProtocolError) as exc:
                     self._failed(peer, exc)
                     return
+                took = self.clock() - sent_at
+                peer.rtt = took if peer.rtt == 0.0 else 0.8 * peer.rtt + 0.2 * took
                 peer.outbox.ack(snapshot)
                 peer.cells_sent += len(cells)
                 self._succeeded(peer, reply)

@@ -74,11 +74,21 @@ class ReplicationStore:
         now = self._now()
         return b"" if now is None else b"%d" % now
 
-    async def drain(self, lease_us: int = 15_000_000) -> Drained:
-        """Take every shard's changes since the last drain (one pipelined round trip)
-        and renew the lease that makes apps record changes for the next ``lease_us``."""
-        head = [self._clock_arg(), self._region_b, self._nonce, new_incarnation(self._nonce), b"%d" % lease_us, *self._rule_args]
-        calls = [[b"2", *self.layout.aux_keys(s), *head] for s in range(self.layout.shards)]
+    async def drain(self, lease_us: int = 15_000_000, peer_ages: Mapping[str, int] | None = None) -> Drained:
+        """Take every shard's changes since the last drain (one pipelined round trip).
+
+        Also renews the lease that makes apps record changes (for ``lease_us``) and
+        publishes ``peer_ages``: for each peer, how old (µs) its counts here are.
+        """
+        ages = peer_ages or {}
+        fresh: list[bytes] = [b"%d" % (len(ages) + 1), b"%d" % len(ages)]
+        for peer, age in ages.items():
+            fresh += (peer.encode(), b"%d" % age)
+        head = [
+            self._clock_arg(), self._region_b, self._nonce, new_incarnation(self._nonce), b"%d" % lease_us,
+            *self._rule_args, *fresh,
+        ]
+        calls = [[b"3", *self.layout.aux_keys(s), *head] for s in range(self.layout.shards)]
         replies = await self.store.run_many(_DRAIN, calls)
         out = Drained()
         for shard, reply in enumerate(replies):

@@ -37,8 +37,8 @@ class HitRequest:
 
     rules: tuple[Rule, ...]
     shard: int
-    keys: tuple[bytes, ...]  # registry, changed, then one data key per rule
-    args: tuple[bytes, ...]  # consume, cost, nrules, then 6 per rule
+    keys: tuple[bytes, ...]  # registry, changed, peers, then one data key per rule
+    args: tuple[bytes, ...]  # consume, cost, nrules, then 9 per rule
     resp_keys: bytes  # ``keys`` RESP-encoded, for the pre-packed path
     resp_args: bytes  # ``args`` RESP-encoded
 
@@ -73,6 +73,9 @@ class RulePlan:
             b"%d" % rule.ring,
             b"%d" % rule.ttl_ms,
             b"1" if rule.mode == "approximate" else b"0",
+            b"1" if rule.predict else b"0",
+            b"%d" % ("local", "share", "closed").index(rule.partition),
+            b"%d" % rule.partition_after_us,
         )
         return cls(rule, rule.name.encode(), args, b"".join(map(_bulk, args)))
 
@@ -85,7 +88,7 @@ class RequestBuilder:
 
     def __init__(self, layout: KeyLayout) -> None:
         self.layout = layout
-        self._aux: dict[int, tuple[tuple[bytes, bytes], bytes]] = {}
+        self._aux: dict[int, tuple[tuple[bytes, bytes, bytes], bytes]] = {}
 
     def build(self, plans: Sequence[RulePlan], subject: bytes, cost: int, consume: bool) -> HitRequest:
         layout = self.layout

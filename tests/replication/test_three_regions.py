@@ -119,7 +119,7 @@ async def test_a_killed_agent_resumes_without_loss_or_double_counting(redis_serv
 
 
 async def test_apps_see_remote_hits_without_talking_to_an_agent(redis_server_factory: Factory) -> None:
-    async with Regions(redis_server_factory, ["a", "b"], [Rule("api", 5, 60)], run_loops=False) as rs:
+    async with Regions(redis_server_factory, ["a", "b"], [Rule("api", 5, 60, predict=False)], run_loops=False) as rs:
         await rs.step()
         app_a, app_b = rs["a"].app(), rs["b"].app()
         for _ in range(3):

@@ -58,13 +58,15 @@ end
 -- Returns sums[0..N] (effective total of bucket c - d), futs (bucket -> total
 -- for buckets newer than c), head (nil for a new key), own (raw value of this
 -- region's field for bucket c) and stale (fields of buckets that have left the
--- window, deleted by the next write).
-local function load_window(key, c, N, M)
+-- window, deleted by the next write). With per_slot, also slot index ->
+-- {count in the window, count in buckets c-1 and c} (floors applied).
+local function load_window(key, c, N, M, per_slot)
   local flat = call('HGETALL', key)
   local n = #flat
   local sums = {}
   for d = 0, N do sums[d] = 0 end
-  if n == 0 then return sums, nil, nil, 0, {} end
+  local slots = per_slot and {} or nil
+  if n == 0 then return sums, nil, nil, 0, {}, slots end
   local h
   if flat[1] == 'h' then h = tonumber(flat[2]) else
     for i = 1, n, 2 do if flat[i] == 'h' then h = tonumber(flat[i + 1]) break end end
@@ -92,6 +94,13 @@ local function load_window(key, c, N, M)
           futs[b] = (futs[b] or 0) + v
         elseif d <= N then
           sums[d] = sums[d] + v
+          if slots then
+            local s = (f - f % M) / M
+            local t = slots[s]
+            if not t then t = {0, 0} slots[s] = t end
+            t[1] = t[1] + v
+            if d <= 1 then t[2] = t[2] + v end
+          end
         end
         if f == ownf then own = v end
       end
@@ -109,20 +118,91 @@ local function load_window(key, c, N, M)
             local v = tonumber(flat[i + 1])
             local sub = fl < v and fl or v
             local d = c - b
-            if d < 0 then futs[b] = futs[b] - sub
-            elseif d <= N then sums[d] = sums[d] - sub end
+            if d < 0 then
+              futs[b] = futs[b] - sub
+            elseif d <= N then
+              sums[d] = sums[d] - sub
+              if slots then
+                local t = slots[(f - f % M) / M]
+                t[1] = t[1] - sub
+                if d <= 1 then t[2] = t[2] - sub end
+              end
+            end
           end
         end
       end
     end
   end
-  return sums, futs, h, own, stale
+  return sums, futs, h, own, stale, slots
+end
+
+-- Does a key hold counts of any slot but this region's current one?
+local function has_remote(slots)
+  for s in pairs(slots) do
+    if s ~= 0 then return true end
+  end
+  return false
+end
+
+-- What this region knows of its peers, for prediction and partition policies:
+-- slot index -> region (from the registry), region -> time its counts were last
+-- current, and the number of regions (written by the agent in the peers hash).
+local function load_peers(reg, peers)
+  local flat = call('HGETALL', reg)
+  local owner = {}
+  for i = 1, #flat, 2 do
+    local id = flat[i]
+    local cut = string.find(id, '/', 1, true)
+    if cut then owner[tonumber(flat[i + 1])] = string.sub(id, 1, cut - 1) end
+  end
+  local p = call('HGETALL', peers)
+  local known, regions = {}, 0
+  for i = 1, #p, 2 do
+    if p[i] == '#R' then regions = tonumber(p[i + 1]) else known[p[i]] = tonumber(p[i + 1]) end
+  end
+  return {owner, known, regions}
+end
+
+-- Mirrors geolimit.core.policy.reserve: units to reserve for peers, and whether
+-- a partitioned peer closes the rule.
+local function reservation(info, slots, own_region, limit, res, now, predict, partition, after)
+  local owner, known, regions = info[1], info[2], info[3]
+  local counts, recent = {}, {}
+  for s, t in pairs(slots) do
+    local r = owner[s]
+    if r and r ~= own_region then
+      counts[r] = (counts[r] or 0) + t[1]
+      recent[r] = (recent[r] or 0) + t[2]
+    end
+  end
+  local units, closed = 0, false
+  local start = (bucket(now, res) - 1) * res
+  for r, untl in pairs(known) do
+    if r ~= own_region then
+      local stale = now - untl
+      if stale < 0 then stale = 0 end
+      if stale > after then
+        if partition == 2 then
+          closed = true
+        elseif partition == 1 and regions > 0 then
+          local fair = limit / regions
+          local have = counts[r] or 0
+          if fair > have then units = units + (fair - have) end
+        end
+      elseif predict and stale > 0 then
+        local span = untl - start
+        if span < res / 2 then span = res / 2 end
+        units = units + (recent[r] or 0) * stale / span
+      end
+    end
+  end
+  return units, closed
 end
 
 -- Does the window admit cost more? (count the partial oldest bucket fully in
 -- strict mode, weighted by its overlap in approximate mode)
-local function admits(sums, N, now, cost, limit, res, approx)
-  local count = 0
+local function admits(sums, N, now, cost, limit, res, approx, reserve)
+  local count = reserve
   for d = 0, N - 1 do count = count + sums[d] end
   if approx then
     local c = bucket(now, res)
@@ -136,10 +216,10 @@ end
 -- The decision rule for one key. ``consume``: the request as a whole consumed
 -- cost (every rule allowed it). Times in microseconds; returns
 -- allowed, used, retry_after (-1: never), reset_after.
-local function evaluate(sums, futs, N, now, cost, limit, res, approx, consume)
+local function evaluate(sums, futs, N, now, cost, limit, res, approx, consume, reserve)
   local c = bucket(now, res)
   local weight = ((c + 1) * res - now) / res
-  local newer = 0
+  local newer = reserve
   for d = 0, N - 1 do newer = newer + sums[d] end
   local count
   if approx then count = newer + sums[N] * weight else count = newer + sums[N] end
@@ -170,6 +250,7 @@ local function evaluate(sums, futs, N, now, cost, limit, res, approx, consume)
       end
     else
       local rem = count
+      retry = (c + N + 1) * res - now
       for k = 1, N + 1 do
         rem = rem - sums[N - k + 1]
         if rem + cost <= limit then retry = (c + k) * res - now break end

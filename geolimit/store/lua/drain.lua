@@ -1,7 +1,10 @@
 -- drain: hand the replication agent this shard's changes since the last drain.
--- KEYS: registry, changed
--- ARGV: now_us|'', region, nonce, candidate incarnation, lease_us, nrules, then per rule: name, res_us, N, M
--- Also renews the agent's lease (registry field 'a'): apps record changes while it lasts.
+-- KEYS: registry, changed, peers
+-- ARGV: now_us|'', region, nonce, candidate incarnation, lease_us, nrules, then per rule:
+--   name, res_us, N, M; then regions, npeers, then per peer: name, age_us
+-- Also renews the agent's lease (registry field 'a': apps record changes while it
+-- lasts) and publishes peer freshness in the peers hash: peer -> time until which
+-- its counts are current (now - age), '#R' -> number of regions.
 -- Reply: {own_slot_id, registry, unknown, key, cells, key, cells, ...}
 --   cells: flat bucket, slot_index, value, floor. A key changed by a reset comes
 --   with every live cell of every slot and registry is then the registry's flat
@@ -16,6 +19,13 @@ for _ = 1, tonumber(ARGV[6]) do
   rules[ARGV[a]] = {tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])}
   a = a + 4
 end
+local fresh = {'#R', ARGV[a]}
+for _ = 1, tonumber(ARGV[a + 1]) do
+  fresh[#fresh + 1] = ARGV[a + 2]
+  fresh[#fresh + 1] = now - tonumber(ARGV[a + 3])
+  a = a + 2
+end
+call('HSET', KEYS[3], unpack(fresh))
 local changed = call('HGETALL', chg)
 local out = {ARGV[2] .. '/' .. own, {}, 0}
 if #changed == 0 then return out end

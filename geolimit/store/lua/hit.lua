@@ -1,8 +1,9 @@
 -- hit: decide a batch of requests atomically; each request is all-or-nothing
 -- over its rules and consumes nothing unless every rule allows it.
--- KEYS per request: registry, changed, then one data key per rule.
+-- KEYS per request: registry, changed, peers, then one data key per rule.
 -- ARGV: now_us|'', region, nonce, nreq, then per request:
---   consume (1|0), cost, nrules, then per rule: limit, res_us, N, M, ttl_ms, approx (1|0)
+--   consume (1|0), cost, nrules, then per rule: limit, res_us, N, M, ttl_ms,
+--   approx (1|0), predict (1|0), partition (0 local|1 share|2 closed), partition_after_us
 -- Returns per request: allowed, then per rule: allowed, used, retry_us, reset_us.
 local now = clock(ARGV[1])
 local region, nonce = ARGV[2], ARGV[3]
@@ -11,17 +12,24 @@ local ai, ki = 5, 1
 for _ = 1, tonumber(ARGV[4]) do
   local consume, cost, nr = ARGV[ai] == '1', tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
   ai = ai + 3
-  local reg, chg = KEYS[ki], KEYS[ki + 1]
-  ki = ki + 2
-  local res_all, rs = true, {}
+  local reg, chg, peers = KEYS[ki], KEYS[ki + 1], KEYS[ki + 2]
+  ki = ki + 3
+  local res_all, rs, info = true, {}, nil
   for j = 1, nr do
     local limit, res, N, M = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2]), tonumber(ARGV[ai + 3])
-    local approx = ARGV[ai + 5] == '1'
+    local approx, predict = ARGV[ai + 5] == '1', ARGV[ai + 6] == '1'
+    local partition = tonumber(ARGV[ai + 7])
     local c = bucket(now, res)
-    local sums, futs, h, own, stale = load_window(KEYS[ki + j - 1], c, N, M)
-    if not admits(sums, N, now, cost, limit, res, approx) then res_all = false end
-    rs[j] = {sums, futs, N, limit, res, approx, c, M, ARGV[ai + 4], h, own, stale}
-    ai = ai + 6
+    local watch = predict or partition > 0
+    local sums, futs, h, own, stale, slots = load_window(KEYS[ki + j - 1], c, N, M, watch)
+    local reserve, closed = 0, false
+    if watch and (partition > 0 or has_remote(slots)) then
+      info = info or load_peers(reg, peers)
+      reserve, closed = reservation(info, slots or {}, region, limit, res, now, predict, partition, tonumber(ARGV[ai + 8]))
+    end
+    if closed or not admits(sums, N, now, cost, limit, res, approx, reserve) then res_all = false end
+    rs[j] = {sums, futs, N, limit, res, approx, c, M, ARGV[ai + 4], h, own, stale, reserve, closed}
+    ai = ai + 9
   end
   local consumed = res_all and consume
   if consumed and cost > 0 then
@@ -42,7 +50,10 @@ for _ = 1, tonumber(ARGV[4]) do
   out[#out + 1] = res_all and 1 or 0
   for j = 1, nr do
     local r = rs[j]
-    local ok, used, retry, reset = evaluate(r[1], r[2], r[3], now, cost, r[4], r[5], r[6], consumed)
+    local ok, used, retry, reset = evaluate(r[1], r[2], r[3], now, cost, r[4], r[5], r[6], consumed, r[13])
+    if r[14] then
+      ok, retry = false, r[5]
+    end
     out[#out + 1] = ok and 1 or 0
     out[#out + 1] = used
     out[#out + 1] = retry

@@ -1,15 +1,15 @@
 -- reset: forget every count this region can see for the given keys, by raising
 -- each slot's floor to its value (a replicated, max-merged reset floor).
 -- Concurrent hits that another region has not yet replicated still count.
--- KEYS: registry, changed, then the data keys.
+-- KEYS: registry, changed, peers, then the data keys.
 -- ARGV: now_us|'', region, nonce, then per key: res_us, N, M.
 -- Returns per key the count in the window that was forgotten.
 local now = clock(ARGV[1])
 local track = tracking(KEYS[1], ARGV[2], ARGV[3], now)
 local out = {}
-for j = 3, #KEYS do
+for j = 4, #KEYS do
   local key = KEYS[j]
-  local a = 4 + (j - 3) * 3
+  local a = 4 + (j - 4) * 3
   local res, N, M = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
   local c = bucket(now, res)
   local sums, _, h, _, stale = load_window(key, c, N, M)

@@ -1,0 +1,77 @@
+"""Over-admission control across regions (pure; mirrors ``hit.lua``).
+
+Remote counts are always a little stale. Before deciding, a region *reserves*
+budget for what its peers have probably admitted since it last heard from them:
+
+* **prediction** (``Rule.predict``): a peer that is still in contact is assumed
+  to keep admitting at its recent rate for as long as its counts are stale:
+  ``reserve += rate * staleness``, the rate being its count in the last two
+  buckets over the time they span up to its freshness;
+* **partition policy** (``Rule.partition``), for a peer whose counts are older
+  than ``Rule.partition_after``:
+
+  - ``local``: keep deciding on the last known counts (no reservation);
+  - ``share``: assume the peer uses its fair share of the limit, ``limit / R``:
+    ``reserve += max(0, limit / R - known count)``. Both sides of a partition
+    apply it, so together they stay within the limit;
+  - ``closed``: deny.
+
+Freshness comes from the agent, which writes, per shard, when each peer's counts
+were last current (in the clock decisions use) and how many regions there are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["PARTITION_POLICIES", "Reservation", "reserve"]
+
+PARTITION_POLICIES = ("local", "share", "closed")
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    units: float  # extra count the decision must assume
+    closed: bool  # a partitioned peer and policy "closed": deny
+
+
+def reserve(
+    *,
+    limit: int,
+    resolution_us: int,
+    now_us: int,
+    counts: Mapping[str, int],
+    recent: Mapping[str, int],
+    known_until: Mapping[str, int],
+    regions: int,
+    predict: bool,
+    partition: str,
+    partition_after_us: int,
+) -> Reservation:
+    """What to reserve for peers.
+
+    ``counts``/``recent`` are each peer region's count in the window and in the
+    last two buckets (``c-1`` and ``c``); ``known_until`` maps every peer to the
+    time its counts were last current; ``regions`` counts all regions.
+    """
+    units = 0.0
+    closed = False
+    current = now_us // resolution_us
+    start = (current - 1) * resolution_us
+    for region, until in known_until.items():
+        stale = now_us - until if now_us > until else 0
+        if stale > partition_after_us:
+            if partition == "closed":
+                closed = True
+            elif partition == "share":
+                fair = limit / regions if regions > 0 else 0.0
+                have = counts.get(region, 0)
+                if fair > have:
+                    units += fair - have
+        elif predict and stale > 0:
+            span: float = until - start
+            if span < resolution_us / 2:
+                span = resolution_us / 2
+            units += recent.get(region, 0) * stale / span
+    return Reservation(units, closed)
