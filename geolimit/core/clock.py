@@ -41,6 +41,9 @@ class ManualClock:
     def set(self, seconds: float) -> None:
         self._now_us = round(seconds * 1_000_000)
 
+    def set_us(self, micros: int) -> None:
+        self._now_us = micros
+
 
 def micros_source(clock: Clock | None) -> Callable[[], int] | None:
     """A function returning integer microseconds, or None to use Redis TIME."""

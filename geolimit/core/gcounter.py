@@ -7,14 +7,17 @@ when the reset was observed. Both are merged with ``max``, so the state is a
 join semilattice: merging is idempotent, commutative and associative, and any
 order or duplication of messages converges to the same state.
 
-The count a slot contributes is ``max(0, value - floor)``; a bucket's count is
-the sum over its slots.
+Values and floors are stored as ``count * SUBSTEPS + first`` (see
+:mod:`geolimit.core.window`); the count a slot contributes is
+``max(0, count(value) - count(floor))`` and a bucket's count is the sum over its slots.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+SUBSTEPS = 64  # geolimit.core.window.SUBSTEPS (kept here to avoid an import cycle)
 
 __all__ = [
     "Cell",
@@ -40,7 +43,8 @@ class Cell:
 
     @property
     def effective(self) -> int:
-        return self.value - self.floor if self.value > self.floor else 0
+        count, floor = self.value // SUBSTEPS, self.floor // SUBSTEPS
+        return count - floor if count > floor else 0
 
 
 def slot_id(region: str, incarnation: str) -> str:

@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from geolimit.core.gcounter import Cell, KeyState, effective, join, parse_slot_id, slot_id
 from geolimit.core.policy import reserve
 from geolimit.core.rule import Rule
-from geolimit.core.window import Evaluation, bucket_of, evaluate, window_sums
+from geolimit.core.window import (
+    SUBSTEPS,
+    Evaluation,
+    bucket_of,
+    evaluate,
+    first_offset,
+    window_sums,
+)
 
 __all__ = ["ModelStore"]
 
@@ -41,6 +48,19 @@ class ModelStore:
         totals = {b: effective(slots) for b, slots in state.items() if low <= b <= high}
         return window_sums(totals, current, rule.buckets)
 
+    def firsts(self, rule: Rule, subject: bytes, now_us: int) -> list[int]:
+        """Earliest first-admission offset of each bucket of the window (``firsts[d]``)."""
+        state = self.keys.get((rule.name, subject), {})
+        current = bucket_of(now_us, rule.resolution_us)
+        out = [SUBSTEPS] * (rule.buckets + 1)
+        for bucket, slots in state.items():
+            delta = current - bucket
+            if 0 <= delta <= rule.buckets:
+                for cell in slots.values():
+                    if cell.value:
+                        out[delta] = min(out[delta], cell.value % SUBSTEPS)
+        return out
+
     def reservation(self, rule: Rule, subject: bytes, now_us: int) -> tuple[float, bool]:
         """Units set aside for peers, and whether policy ``closed`` denies."""
         if not (rule.predict or rule.partition != "local"):
@@ -49,6 +69,7 @@ class ModelStore:
         current = bucket_of(now_us, rule.resolution_us)
         counts: dict[str, int] = {}
         recent: dict[str, int] = {}
+        latest: dict[str, int] = {}
         for bucket, slots in state.items():
             delta = current - bucket
             if not 0 <= delta <= rule.buckets:
@@ -60,9 +81,11 @@ class ModelStore:
                 counts[region] = counts.get(region, 0) + cell.effective
                 if delta <= 1:
                     recent[region] = recent.get(region, 0) + cell.effective
+                if delta == 0:
+                    latest[region] = latest.get(region, 0) + cell.effective
         found = reserve(
             limit=rule.limit, resolution_us=rule.resolution_us, now_us=now_us, counts=counts,
-            recent=recent, known_until=self.peer_known, regions=self.regions, predict=rule.predict,
+            recent=recent, latest=latest, known_until=self.peer_known, regions=self.regions, predict=rule.predict,
             partition=rule.partition, partition_after_us=rule.partition_after_us,
         )
         return found.units, found.closed
@@ -78,10 +101,11 @@ class ModelStore:
         """All-or-nothing over ``rules``; the same outcome as ``hit.lua``."""
         windows = [self.sums(rule, subject, now_us) for rule in rules]
         held = [self.reservation(rule, subject, now_us) for rule in rules]
+        firsts = [self.firsts(rule, subject, now_us) for rule in rules]
         admitted = all(
             not closed
-            and evaluate(s, f, now_us, cost, r.limit, r.resolution_us, r.mode == "approximate", False, units).allowed
-            for r, (s, f), (units, closed) in zip(rules, windows, held, strict=True)
+            and evaluate(s, f, now_us, cost, r.limit, r.resolution_us, r.mode == "approximate", False, units, fs).allowed
+            for r, (s, f), (units, closed), fs in zip(rules, windows, held, firsts, strict=True)
         )
         consumed = admitted and consume
         if consumed and cost > 0:
@@ -89,10 +113,11 @@ class ModelStore:
                 state = self.keys.setdefault((rule.name, subject), {})
                 bucket = bucket_of(now_us, rule.resolution_us)
                 cell = state.setdefault(bucket, {}).get(self.own_slot, Cell())
-                state[bucket][self.own_slot] = Cell(cell.value + cost, cell.floor)
+                value = cell.value or first_offset(now_us, rule.resolution_us)
+                state[bucket][self.own_slot] = Cell(value + cost * SUBSTEPS, cell.floor)
         out = []
-        for r, (s, f), (units, closed) in zip(rules, windows, held, strict=True):
-            result = evaluate(s, f, now_us, cost, r.limit, r.resolution_us, r.mode == "approximate", consumed, units)
+        for r, (s, f), (units, closed), fs in zip(rules, windows, held, firsts, strict=True):
+            result = evaluate(s, f, now_us, cost, r.limit, r.resolution_us, r.mode == "approximate", consumed, units, fs)
             if closed:
                 result = Evaluation(False, result.used, r.resolution_us, result.reset_after_us)
             out.append(result)

@@ -5,8 +5,10 @@ budget for what its peers have probably admitted since it last heard from them:
 
 * **prediction** (``Rule.predict``): a peer that is still in contact is assumed
   to keep admitting at its recent rate for as long as its counts are stale:
-  ``reserve += rate * staleness``, the rate being its count in the last two
-  buckets over the time they span up to its freshness;
+  ``reserve += rate * staleness``. The rate is its count in the last two buckets
+  over the time they span up to its freshness, or, if higher, its rate so far in
+  the current bucket (when capacity frees up, peers admit at their demand rate,
+  which the throttled past underestimates);
 * **partition policy** (``Rule.partition``), for a peer whose counts are older
   than ``Rule.partition_after``:
 
@@ -43,6 +45,7 @@ def reserve(
     now_us: int,
     counts: Mapping[str, int],
     recent: Mapping[str, int],
+    latest: Mapping[str, int],
     known_until: Mapping[str, int],
     regions: int,
     predict: bool,
@@ -51,9 +54,10 @@ def reserve(
 ) -> Reservation:
     """What to reserve for peers.
 
-    ``counts``/``recent`` are each peer region's count in the window and in the
-    last two buckets (``c-1`` and ``c``); ``known_until`` maps every peer to the
-    time its counts were last current; ``regions`` counts all regions.
+    ``counts``/``recent``/``latest`` are each peer region's count in the window,
+    in the last two buckets (``c-1`` and ``c``) and in the current bucket;
+    ``known_until`` maps every peer to the time its counts were last current;
+    ``regions`` counts all regions.
     """
     units = 0.0
     closed = False
@@ -73,5 +77,11 @@ def reserve(
             span: float = until - start
             if span < resolution_us / 2:
                 span = resolution_us / 2
-            units += recent.get(region, 0) * stale / span
+            rate = recent.get(region, 0) / span
+            into = until - (start + resolution_us)
+            if into > resolution_us / 10:
+                now_rate = latest.get(region, 0) / into
+                if now_rate > rate:
+                    rate = now_rate
+            units += rate * stale
     return Reservation(units, closed)

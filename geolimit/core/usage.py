@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from geolimit.core.gcounter import parse_slot_id
 from geolimit.core.rule import Rule
-from geolimit.core.window import bucket_of, read_key
+from geolimit.core.window import bucket_of, count_of, read_key
 
 __all__ = ["Usage", "slot_names", "summarize"]
 
@@ -63,7 +63,7 @@ def summarize(
     for (slot, bucket), (value, floor) in view.cells.items():
         if current - rule.buckets <= bucket <= current:
             name = names.get(slot, f"?/{slot}")
-            by_slot[name] = by_slot.get(name, 0) + max(0, value - floor)
+            by_slot[name] = by_slot.get(name, 0) + max(0, count_of(value) - count_of(floor))
     by_region: dict[str, int] = {}
     for name, count in by_slot.items():
         region = parse_slot_id(name)[0] if not name.startswith("?/") else "?"

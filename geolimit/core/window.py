@@ -13,22 +13,29 @@ The field ``h`` (the key's *head*) holds the newest bucket written; a position
 forward, positions it passes over are cleared, so a field can never be misread
 as a newer bucket, however long the key lives.
 
-Reset floors live at field ``-(f + 1)`` for value field ``f``; a slot's effective
-count is ``max(0, value - floor)``.
+Reset floors live at field ``-(f + 1)`` for value field ``f``.
+
+A stored value is ``count * SUBSTEPS + first``, where ``first`` is the offset of
+the cell's first admission within its bucket, in ``1/SUBSTEPS`` of the bucket.
+It only grows (the count grows, ``first`` never changes), so max-merge still
+works; approximate mode uses it to know where in the oldest bucket traffic
+began. A slot's effective count is ``max(0, count(value) - count(floor))``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "HEAD_FIELD",
+    "SUBSTEPS",
     "Evaluation",
     "KeyView",
     "bucket_at",
     "bucket_of",
+    "count_of",
     "evaluate",
     "field_of",
     "floor_field_of",
@@ -38,6 +45,27 @@ __all__ = [
 ]
 
 HEAD_FIELD = "h"
+SUBSTEPS = 64
+
+
+def count_of(value: int) -> int:
+    """The count a stored cell value holds."""
+    return value // SUBSTEPS
+
+
+def first_offset(now_us: int, resolution_us: int) -> int:
+    """Where in its bucket ``now_us`` falls, in ``1/SUBSTEPS`` steps."""
+    return (now_us % resolution_us) * SUBSTEPS // resolution_us
+
+
+def share(first: int, current: int, resolution_us: int, at_us: int) -> float:
+    """Approximate mode: the part of the oldest bucket still in the window ending at ``at_us``,
+    assuming its traffic was uniform from its first admission to its end."""
+    if first >= SUBSTEPS:  # no admission recorded: the whole bucket
+        first = 0
+    span = resolution_us - first * resolution_us / SUBSTEPS
+    weight = ((current + 1) * resolution_us - at_us) / span
+    return 1.0 if weight > 1 else 0.0 if weight < 0 else weight
 
 
 def bucket_of(now_us: int, resolution_us: int) -> int:
@@ -108,18 +136,26 @@ def evaluate(
     approximate: bool = False,
     consume: bool = True,
     reserve: float = 0.0,
+    firsts: Sequence[int] | None = None,
 ) -> Evaluation:
     """Decide one rule. ``sums`` is as returned by :func:`window_sums`.
 
     Strict mode counts all N + 1 buckets that overlap the true window
     ``(now - window, now]``, so no true window ever holds more than ``limit``.
     Approximate mode weights the oldest bucket by the fraction of it that is
-    still inside the window. ``reserve`` is added to the count (units set aside
-    for peers, see :mod:`geolimit.core.policy`).
+    still inside the window (assuming its traffic was uniform from its first
+    admission on: ``firsts[d]`` is bucket ``current - d``'s first-admission
+    offset). ``reserve`` is added to the count (units set aside for peers, see
+    :mod:`geolimit.core.policy`).
     """
     n = len(sums) - 1
     current = now_us // resolution_us
-    weight = ((current + 1) * resolution_us - now_us) / resolution_us
+    starts: Sequence[int] = firsts if firsts is not None else [0] * (n + 1)
+    weight = share(starts[n], current, resolution_us, now_us)
+    items = list(future.items() if isinstance(future, Mapping) else future)
+    # Buckets ahead of this clock come from regions whose clocks run ahead: those
+    # admissions already happened, so they count (like a reservation).
+    reserve += sum(total for _, total in items)
     newer = reserve + sum(sums[:n])
     count: float = newer + (sums[n] * weight if approximate else sums[n])
     allowed = count + cost <= limit
@@ -130,7 +166,7 @@ def evaluate(
     elif cost > limit:
         retry_us = -1
     elif approximate:
-        retry_us = _retry_approximate(sums, now_us, cost, limit, resolution_us, weight, reserve)
+        retry_us = _retry_approximate(sums, now_us, cost, limit, resolution_us, weight, reserve, starts)
     else:
         retry_us = _retry_strict(sums, now_us, cost, limit, resolution_us, reserve)
     latest = -1
@@ -141,7 +177,6 @@ def evaluate(
             if sums[d] > 0:
                 latest = current - d
                 break
-    items = future.items() if isinstance(future, Mapping) else future
     for bucket, total in items:
         if total > 0 and bucket > latest:
             latest = bucket
@@ -161,7 +196,8 @@ def _retry_strict(sums: list[int], now_us: int, cost: int, limit: int, res: int,
 
 
 def _retry_approximate(
-    sums: list[int], now_us: int, cost: int, limit: int, res: int, weight: float, reserve: float = 0.0
+    sums: list[int], now_us: int, cost: int, limit: int, res: int, weight: float, reserve: float,
+    firsts: Sequence[int],
 ) -> int:
     n = len(sums) - 1
     current = now_us // res
@@ -176,7 +212,9 @@ def _retry_approximate(
         if oldest == 0 or newer + oldest * start_weight + cost <= limit:
             return 0 if k == 0 else (current + k) * res - now_us
         needed = (limit - cost - newer) / oldest
-        at = (current + k + 1) * res - needed * res
+        first = firsts[n - k] if firsts[n - k] < SUBSTEPS else 0
+        span = res - first * res / SUBSTEPS
+        at = (current + k + 1) * res - needed * span
         return math.ceil(at - now_us)
     return (current + n + 1) * res - now_us
 
@@ -188,9 +226,10 @@ class KeyView:
     sums: list[int]
     future: dict[int, int]
     head: int | None
-    own: int
+    own: int  # raw stored value of this region's cell in the current bucket
     stale: list[bytes]
-    cells: dict[tuple[int, int], tuple[int, int]]  # (slot index, bucket) -> (value, floor)
+    cells: dict[tuple[int, int], tuple[int, int]]  # (slot index, bucket) -> raw (value, floor)
+    firsts: list[int]  # earliest first-admission offset per bucket of the window
 
 
 def read_key(
@@ -201,8 +240,9 @@ def read_key(
     Same result as the Lua ``load_window``, plus every live cell by slot index.
     """
     sums = [0] * (buckets + 1)
+    firsts = [SUBSTEPS] * (buckets + 1)
     if not fields:
-        return KeyView(sums, {}, None, 0, [], {})
+        return KeyView(sums, {}, None, 0, [], {}, firsts)
     raw_head = fields.get(b"h")
     head = int(raw_head) if raw_head is not None else current
     values: dict[int, int] = {}
@@ -228,10 +268,12 @@ def read_key(
         cells[(f // ring, bucket)] = (value, floor)
         if f not in values:
             continue
-        eff = value - min(value, floor)
+        count, floored = count_of(value), count_of(floor)
+        eff = count - min(count, floored)
         delta = current - bucket
         if delta < 0:
             future[bucket] = future.get(bucket, 0) + eff
         elif delta <= buckets:
             sums[delta] += eff
-    return KeyView(sums, future, None if raw_head is None else head, own, stale, cells)
+            firsts[delta] = min(firsts[delta], value % SUBSTEPS)
+    return KeyView(sums, future, None if raw_head is None else head, own, stale, cells, firsts)

@@ -37,7 +37,8 @@ NEVER_HEARD_US = 365 * 86_400 * 1_000_000
 class EngineSettings:
     interval: float = 0.1
     anti_entropy_interval: float = 30.0
-    max_backoff: float = 5.0
+    max_backoff: float = 0.2  # retries keep probing a failed peer this often, so a heal is noticed fast
+    probe_cells: int = 200  # cells per attempt while a peer is failing
     outbox_limit: int = 1_000_000
     max_cells_per_message: int = 20_000  # bounds how long a peer spends merging one request
     heartbeat: float = 1.0  # send (possibly empty) deltas at least this often
@@ -67,6 +68,7 @@ class PeerState:
     cells_sent: int = 0
     cells_received: int = 0
     rtt: float = 0.0  # smoothed round trip of our messages to this peer (seconds)
+    skew: float = 0.0  # smoothed estimate of the peer's clock minus ours (seconds), for status
     deferred: list[tuple[float, str, float, list[Cell6]]] = field(default_factory=list)
 
     def acked_from(self, target: str) -> float | None:
@@ -139,6 +141,11 @@ class GossipEngine:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         if self._failure is not None:
             raise self._failure
+
+    @property
+    def tasks(self) -> set[asyncio.Task[None]]:
+        """Sends and anti-entropy exchanges in progress."""
+        return set(self._tasks)
 
     async def cancel(self) -> None:
         """Cancel every send and anti-entropy task (abort, or after a failed flush)."""
@@ -223,7 +230,9 @@ class GossipEngine:
         """Deliver the outbox in messages of at most ``max_cells_per_message`` cells."""
         try:
             while True:
-                snapshot = peer.outbox.snapshot(self.settings.max_cells_per_message)
+                # A failing peer gets small messages until one succeeds, then the rest.
+                limit = self.settings.probe_cells if peer.failures else self.settings.max_cells_per_message
+                snapshot = peer.outbox.snapshot(limit)
                 peer.last_attempt = sent_at = self.clock()
                 cells = [(k[0], k[1], k[2], k[3], v, f) for k, v, f in snapshot]
                 try:
@@ -236,7 +245,7 @@ class GossipEngine:
                 peer.outbox.ack(snapshot)
                 peer.cells_sent += len(cells)
                 self._succeeded(peer, reply)
-                if len(snapshot) < self.settings.max_cells_per_message or not len(peer.outbox):
+                if len(snapshot) < limit or not len(peer.outbox):
                     return
         finally:
             peer.sending = False
@@ -263,6 +272,9 @@ class GossipEngine:
     def _note_reach(self, peer: PeerState, msg: wire.Message, now: float) -> None:
         peer.reach = dict(msg.reach)
         peer.reach_at = now
+        if msg.now_us:
+            sample = msg.now_us / 1_000_000 - (now - peer.rtt / 2)
+            peer.skew = sample if peer.skew == 0.0 else 0.8 * peer.skew + 0.2 * sample
 
     # -- receiving ------------------------------------------------------------
 

@@ -90,7 +90,7 @@ class Agent:
             )
         settings = EngineSettings(
             interval=cfg.interval, anti_entropy_interval=cfg.anti_entropy_interval,
-            max_backoff=cfg.max_backoff, outbox_limit=cfg.outbox_limit,
+            max_backoff=cfg.max_backoff or 2 * cfg.interval, outbox_limit=cfg.outbox_limit,
             heartbeat=max(1.0, cfg.interval), lease_ttl=max(15.0, 20 * cfg.interval),
             max_cells_per_message=max(1000, min(20_000, cfg.max_message_bytes // 40)),
         )
@@ -285,6 +285,8 @@ class Agent:
                     "cells_sent": peer.cells_sent,
                     "cells_received": peer.cells_received,
                     "anti_entropy_ok": peer.ae_ok,
+                    "rtt": round(peer.rtt, 4),
+                    "clock_offset": round(peer.skew, 3),
                 }
         ready, waiting = self.readiness()
         newest = max(incarnations, default=None)

@@ -95,7 +95,7 @@ class AgentConfig:
     interval: float = 0.1
     anti_entropy_interval: float = 30.0
     max_message_bytes: int = 16 * 1024 * 1024
-    max_backoff: float = 5.0
+    max_backoff: float | None = None  # default: twice the gossip interval
     timeout: float = 5.0
     outbox_limit: int = 1_000_000
     auth_window: float = 30.0

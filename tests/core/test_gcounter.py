@@ -36,7 +36,9 @@ def test_join_never_lowers_a_value_or_floor(a: Cell, b: Cell) -> None:
 
 
 def test_effective_count_subtracts_the_floor_and_never_goes_negative() -> None:
-    assert effective({"a/1": Cell(10, 4), "b/1": Cell(3, 5), "c/1": Cell(7)}) == 6 + 0 + 7
+    # stored values are count * 64 + first-admission offset
+    cells = {"a/1": Cell(10 * 64 + 5, 4 * 64 + 5), "b/1": Cell(3 * 64, 5 * 64), "c/1": Cell(7 * 64 + 63)}
+    assert effective(cells) == 6 + 0 + 7
 
 
 def test_slot_ids_round_trip() -> None:

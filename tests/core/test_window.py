@@ -7,7 +7,15 @@ from hypothesis import strategies as st
 
 from geolimit.core.model import ModelStore
 from geolimit.core.rule import Rule
-from geolimit.core.window import bucket_at, evaluate, field_of, read_key, split_field, window_sums
+from geolimit.core.window import (
+    SUBSTEPS,
+    bucket_at,
+    evaluate,
+    field_of,
+    read_key,
+    split_field,
+    window_sums,
+)
 
 SUBJECT = b"user:42"
 T0 = 1_700_000_000_000_000
@@ -134,15 +142,16 @@ def test_read_key_classifies_live_future_and_stale_fields() -> None:
     ring, n = 13, 10
     head = 1000
     fields = {b"h": b"%d" % head}
-    for bucket, value in ((1000, 5), (995, 3), (990, 2), (989, 9)):
-        fields[b"%d" % field_of(0, bucket, ring)] = b"%d" % value
-    fields[b"%d" % field_of(1, 1000, ring)] = b"4"
-    fields[b"%d" % -(field_of(1, 1000, ring) + 1)] = b"1"  # floor of slot 1 at bucket 1000
+    for bucket, count in ((1000, 5), (995, 3), (990, 2), (989, 9)):  # stored as count * 64 + first offset
+        fields[b"%d" % field_of(0, bucket, ring)] = b"%d" % (count * SUBSTEPS + 7)
+    fields[b"%d" % field_of(1, 1000, ring)] = b"%d" % (4 * SUBSTEPS + 2)
+    fields[b"%d" % -(field_of(1, 1000, ring) + 1)] = b"%d" % (1 * SUBSTEPS + 2)  # floor of slot 1 at bucket 1000
     view = read_key(fields, 1000, n, ring)
     assert view.sums[0] == 5 + 3  # own 5 + (4 - floor 1)
     assert view.sums[5] == 3
     assert view.sums[10] == 2
-    assert view.own == 5
+    assert view.own == 5 * SUBSTEPS + 7
+    assert view.firsts[0] == 2
     assert sum(view.sums) == 13  # 989 is outside the window
     later = read_key(fields, 1003, n, ring)  # positions of 1001..1003 are reused: 988..990 stale
     assert b"%d" % field_of(0, 990, ring) in later.stale

@@ -31,7 +31,7 @@ def _delta(rs: Regions, cost: int = 5, sender: str = "a") -> bytes:
     bucket = rs.clock.now_us() // API.resolution_us  # type: ignore[union-attr]
     message = wire.Message(
         kind="delta", sender=sender, rules={"api": API.structure},
-        cells=[("api", b"victim", bucket, f"{sender}/x1", cost, 0)],
+        cells=[("api", b"victim", bucket, f"{sender}/x1", cost * 64, 0)],  # count * 64 + first offset
     )
     return wire.encode(message)
 

@@ -68,7 +68,7 @@ async def test_decisions_with_peers_match_the_model(
             bucket = now // rule.resolution_us
             key = (rule.name, peer, bucket)
             remote_totals[key] = remote_totals.get(key, 0) + cost
-            value = remote_totals[key]
+            value = remote_totals[key] * 64 + 3  # stored as count * 64 + first-admission offset
             await store.merge([(rule.name, subject, bucket, f"{peer}/i1", value, 0)])
             model.merge(rule.name, subject, {bucket: {f"{peer}/i1": Cell(value, 0)}})
         else:

@@ -3,6 +3,12 @@
 local tonumber, ceil, fmod = tonumber, math.ceil, math.fmod
 local call = redis.call
 
+-- A cell's value is count * 64 + the offset (in 64ths of the bucket) of its
+-- first admission: still monotonic, so max-merge keeps working, and it tells
+-- approximate mode where a bucket's traffic began. (geolimit.core.window.SUBSTEPS)
+local SUB = 64
+local function count_of(v) return (v - v % SUB) / SUB end
+
 -- The epoch-aligned bucket of time t (exact: fmod never rounds).
 local function bucket(t, res)
   return (t - fmod(t, res)) / res
@@ -55,10 +61,11 @@ local function tracking(reg, region, nonce, now)
 end
 
 -- Reads a key's buckets relative to bucket c.
--- Returns sums[0..N] (effective total of bucket c - d), futs (bucket -> total
+-- Returns sums[0..N] (effective count of bucket c - d), futs (bucket -> count
 -- for buckets newer than c), head (nil for a new key), own (raw value of this
--- region's field for bucket c) and stale (fields of buckets that have left the
--- window, deleted by the next write). With per_slot, also slot index ->
+-- region's field for bucket c), stale (fields of buckets that have left the
+-- window, deleted by the next write) and firsts[0..N] (earliest first-admission
+-- offset of each bucket, in 64ths). With per_slot, also slot index ->
 -- {count in the window, count in buckets c-1 and c} (floors applied).
 local function load_window(key, c, N, M, per_slot)
   local flat = call('HGETALL', key)
@@ -66,7 +73,9 @@ local function load_window(key, c, N, M, per_slot)
   local sums = {}
   for d = 0, N do sums[d] = 0 end
   local slots = per_slot and {} or nil
-  if n == 0 then return sums, nil, nil, 0, {}, slots end
+  local firsts = {}
+  for d = 0, N do firsts[d] = SUB end
+  if n == 0 then return sums, nil, nil, 0, {}, slots, firsts end
   local h
   if flat[1] == 'h' then h = tonumber(flat[2]) else
     for i = 1, n, 2 do if flat[i] == 'h' then h = tonumber(flat[i + 1]) break end end
@@ -85,24 +94,28 @@ local function load_window(key, c, N, M, per_slot)
         stale[#stale + 1] = fs
       elseif f < 0 then
         floors = floors or {}
-        floors[raw] = tonumber(flat[i + 1])
+        floors[raw] = count_of(tonumber(flat[i + 1]))
       else
-        local v = tonumber(flat[i + 1])
+        local raw_v = tonumber(flat[i + 1])
+        local v = count_of(raw_v)
         local d = c - b
         if d < 0 then
           futs = futs or {}
           futs[b] = (futs[b] or 0) + v
         elseif d <= N then
           sums[d] = sums[d] + v
+          local first = raw_v % SUB
+          if first < firsts[d] then firsts[d] = first end
           if slots then
             local s = (f - f % M) / M
             local t = slots[s]
-            if not t then t = {0, 0} slots[s] = t end
+            if not t then t = {0, 0, 0} slots[s] = t end
             t[1] = t[1] + v
             if d <= 1 then t[2] = t[2] + v end
+            if d == 0 then t[3] = t[3] + v end
           end
         end
-        if f == ownf then own = v end
+        if f == ownf then own = raw_v end
       end
     end
   end
@@ -115,7 +128,7 @@ local function load_window(key, c, N, M, per_slot)
         if fl then
           local b = h - (h - f % M) % M
           if b > old then
-            local v = tonumber(flat[i + 1])
+            local v = count_of(tonumber(flat[i + 1]))
             local sub = fl < v and fl or v
             local d = c - b
             if d < 0 then
@@ -126,6 +139,7 @@ local function load_window(key, c, N, M, per_slot)
                 local t = slots[(f - f % M) / M]
                 t[1] = t[1] - sub
                 if d <= 1 then t[2] = t[2] - sub end
+                if d == 0 then t[3] = t[3] - sub end
               end
             end
           end
@@ -133,7 +147,7 @@ local function load_window(key, c, N, M, per_slot)
       end
     end
   end
-  return sums, futs, h, own, stale, slots
+  return sums, futs, h, own, stale, slots, firsts
 end
 
 -- Does a key hold counts of any slot but this region's current one?
@@ -167,12 +181,13 @@ end
 -- a partitioned peer closes the rule.
 local function reservation(info, slots, own_region, limit, res, now, predict, partition, after)
   local owner, known, regions = info[1], info[2], info[3]
-  local counts, recent = {}, {}
+  local counts, recent, latest = {}, {}, {}
   for s, t in pairs(slots) do
     local r = owner[s]
     if r and r ~= own_region then
       counts[r] = (counts[r] or 0) + t[1]
       recent[r] = (recent[r] or 0) + t[2]
+      latest[r] = (latest[r] or 0) + t[3]
     end
   end
   local units, closed = 0, false
@@ -192,7 +207,13 @@ local function reservation(info, slots, own_region, limit, res, now, predict, pa
       elseif predict and stale > 0 then
         local span = untl - start
         if span < res / 2 then span = res / 2 end
-        units = units + (recent[r] or 0) * stale / span
+        local rate = (recent[r] or 0) / span
+        local into = untl - (start + res)
+        if into > res / 10 then
+          local now_rate = (latest[r] or 0) / into
+          if now_rate > rate then rate = now_rate end
+        end
+        units = units + rate * stale
       end
     end
   end
@@ -201,12 +222,29 @@ end
 
 -- Does the window admit cost more? (count the partial oldest bucket fully in
 -- strict mode, weighted by its overlap in approximate mode)
-local function admits(sums, N, now, cost, limit, res, approx, reserve)
-  local count = reserve
+-- Approximate mode: the share of the oldest bucket (traffic assumed uniform
+-- from its first admission to its end) still inside the window ending at t.
+local function share(first, c, res, t)
+  if first >= SUB then first = 0 end
+  local span = res - first * res / SUB
+  local w = ((c + 1) * res - t) / span
+  if w > 1 then w = 1 elseif w < 0 then w = 0 end
+  return w
+end
+
+-- Cells in buckets ahead of this region's clock were written by a region whose
+-- clock runs ahead: those admissions already happened, so they count now.
+local function ahead(futs)
+  local n = 0
+  if futs then for _, t in pairs(futs) do n = n + t end end
+  return n
+end
+
+local function admits(sums, futs, firsts, N, now, cost, limit, res, approx, reserve)
+  local count = reserve + ahead(futs)
   for d = 0, N - 1 do count = count + sums[d] end
   if approx then
-    local c = bucket(now, res)
-    count = count + sums[N] * (((c + 1) * res - now) / res)
+    count = count + sums[N] * share(firsts[N], bucket(now, res), res, now)
   else
     count = count + sums[N]
   end
@@ -216,10 +254,10 @@ end
 -- The decision rule for one key. ``consume``: the request as a whole consumed
 -- cost (every rule allowed it). Times in microseconds; returns
 -- allowed, used, retry_after (-1: never), reset_after.
-local function evaluate(sums, futs, N, now, cost, limit, res, approx, consume, reserve)
+local function evaluate(sums, firsts, futs, N, now, cost, limit, res, approx, consume, reserve)
   local c = bucket(now, res)
-  local weight = ((c + 1) * res - now) / res
-  local newer = reserve
+  local weight = share(firsts[N], c, res, now)
+  local newer = reserve + ahead(futs)
   for d = 0, N - 1 do newer = newer + sums[d] end
   local count
   if approx then count = newer + sums[N] * weight else count = newer + sums[N] end
@@ -243,7 +281,10 @@ local function evaluate(sums, futs, N, now, cost, limit, res, approx, consume, r
             if k == 0 then retry = 0 else retry = (c + k) * res - now end
           else
             local need = (limit - cost - newer) / oldest
-            retry = ceil((c + k + 1) * res - need * res - now)
+            local first = firsts[N - k]
+            if first >= SUB then first = 0 end
+            local span = res - first * res / SUB
+            retry = ceil((c + k + 1) * res - need * span - now)
           end
           break
         end

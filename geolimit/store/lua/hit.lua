@@ -21,14 +21,14 @@ for _ = 1, tonumber(ARGV[4]) do
     local partition = tonumber(ARGV[ai + 7])
     local c = bucket(now, res)
     local watch = predict or partition > 0
-    local sums, futs, h, own, stale, slots = load_window(KEYS[ki + j - 1], c, N, M, watch)
+    local sums, futs, h, own, stale, slots, firsts = load_window(KEYS[ki + j - 1], c, N, M, watch)
     local reserve, closed = 0, false
     if watch and (partition > 0 or has_remote(slots)) then
       info = info or load_peers(reg, peers)
       reserve, closed = reservation(info, slots or {}, region, limit, res, now, predict, partition, tonumber(ARGV[ai + 8]))
     end
-    if closed or not admits(sums, N, now, cost, limit, res, approx, reserve) then res_all = false end
-    rs[j] = {sums, futs, N, limit, res, approx, c, M, ARGV[ai + 4], h, own, stale, reserve, closed}
+    if closed or not admits(sums, futs, firsts, N, now, cost, limit, res, approx, reserve) then res_all = false end
+    rs[j] = {sums, futs, N, limit, res, approx, c, M, ARGV[ai + 4], h, own, stale, reserve, closed, firsts}
     ai = ai + 9
   end
   local consumed = res_all and consume
@@ -36,13 +36,16 @@ for _ = 1, tonumber(ARGV[4]) do
     local track = tracking(reg, region, nonce, now)
     for j = 1, nr do
       local key, r = KEYS[ki + j - 1], rs[j]
-      local c, M, h = r[7], r[8], r[10]
+      local c, M, h, res = r[7], r[8], r[10], r[5]
+      local value = r[11]
+      if value == 0 then value = math.floor((now - c * res) * SUB / res) end
+      value = value + cost * SUB
       if h == nil or c > h then
         if #r[12] > 0 then chunked('HDEL', key, r[12], 1000) end
-        call('HSET', key, 'h', c, c % M, r[11] + cost)
+        call('HSET', key, 'h', c, c % M, value)
         call('PEXPIRE', key, r[9])
       else
-        call('HSET', key, c % M, r[11] + cost)
+        call('HSET', key, c % M, value)
       end
       if track then call('HSETNX', chg, key, c) end
     end
@@ -50,7 +53,7 @@ for _ = 1, tonumber(ARGV[4]) do
   out[#out + 1] = res_all and 1 or 0
   for j = 1, nr do
     local r = rs[j]
-    local ok, used, retry, reset = evaluate(r[1], r[2], r[3], now, cost, r[4], r[5], r[6], consumed, r[13])
+    local ok, used, retry, reset = evaluate(r[1], r[15], r[2], r[3], now, cost, r[4], r[5], r[6], consumed, r[13])
     if r[14] then
       ok, retry = false, r[5]
     end

@@ -12,7 +12,7 @@ for j = 4, #KEYS do
   local a = 4 + (j - 4) * 3
   local res, N, M = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
   local c = bucket(now, res)
-  local sums, _, h, _, stale = load_window(key, c, N, M)
+  local sums, _, h, _, stale = load_window(key, c, N, M, false)
   local before = 0
   for d = 0, N do before = before + sums[d] end
   out[#out + 1] = before
