@@ -214,6 +214,19 @@ class AsyncLimiter(LimiterBase):
         except StorageError as exc:
             return self._degrade(requests, exc)
 
+    async def verify_rules(self, rules: Iterable[Rule]) -> None:
+        """Raise ConfigError if any of ``rules`` disagrees with this Redis (no changes made)."""
+        rules = list(rules)
+        names = [r.name for r in rules]
+        specs = [b"%d/%d" % r.structure for r in rules]
+        if not names:
+            return
+        try:
+            theirs = await self._store.client().hmget(self._layout.rules_key, names)
+        except RedisError as exc:
+            raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
+        self._verify_rule_specs(names, specs, [t if isinstance(t, bytes) or t is None else t.encode() for t in theirs])
+
     async def _check_rules(self) -> None:
         if self._check_lock is None:
             self._check_lock = asyncio.Lock()

@@ -103,6 +103,68 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if allowed else 1
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    """Print an agent's region, incarnation and peers as a table."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    headers = {}
+    if args.token_file:
+        with open(args.token_file, encoding="utf-8") as f:
+            headers["Authorization"] = f"Bearer {f.read().strip()}"
+    request = urllib.request.Request(args.agent.rstrip("/") + "/v1/status", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as resp:
+            status = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        print(f"geolimit: agent answered HTTP {exc.code}: {exc.read().decode('utf-8', 'replace')}", file=sys.stderr)
+        return 2
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"geolimit: agent {args.agent} unreachable: {exc}", file=sys.stderr)
+        return 3
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    ready = "ready" if status.get("ready") else "NOT READY: " + "; ".join(status.get("waiting_for", []))
+    print(f"region {status['region']}  incarnation {status.get('incarnation')}  {ready}")
+    rows = [("peer", "last contact", "lag", "outbox", "errors", "failing", "rtt", "clock", "last error")]
+    for name, peer in sorted(status.get("peers", {}).items()):
+        age = peer.get("last_contact_age")
+        rows.append((
+            name,
+            "never" if age is None else f"{age:.1f}s ago",
+            f"{peer.get('lag', 0):.3f}s",
+            str(peer.get("outbox", 0)),
+            str(peer.get("errors", 0)),
+            str(peer.get("consecutive_failures", 0)),
+            f"{peer.get('rtt', 0) * 1000:.1f}ms",
+            f"{peer.get('clock_offset', 0):+.3f}s",
+            (peer.get("last_error") or "")[:60],
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip())
+    return 0 if status.get("ready") else 1
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from geolimit.demo.run import run_demo
+
+    return run_demo(
+        regions=args.regions, seconds=args.seconds, policy=args.policy, plot=args.plot,
+        latency=args.latency, quiet=args.quiet,
+    )
+
+
+def _cmd_bench_accuracy(args: argparse.Namespace) -> int:
+    from geolimit.sim.report import run_accuracy_bench
+
+    return run_accuracy_bench(
+        scenarios=args.scenario, duration=args.duration, json_path=args.json, redis_url=args.redis_url,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="geolimit", description="Multi-region rate limiter on Redis.")
     parser.add_argument("--version", action="version", version=f"geolimit {__version__}")
@@ -137,6 +199,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rule", nargs="+", help="rule name(s); several are all-or-nothing")
     p.add_argument("subject")
     p.set_defaults(handler=_cmd_check)
+
+    p = sub.add_parser("status", help="an agent's peers, lag and outbox as a table (exit 1 if not ready)")
+    p.add_argument("--agent", default="http://127.0.0.1:7400", help="agent URL (default: %(default)s)")
+    p.add_argument("--token-file", default=None, help="file holding the API bearer token")
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.set_defaults(handler=_cmd_status)
+
+    p = sub.add_parser("demo", help="run 3 regions on this machine, partition one, plot the result")
+    p.add_argument("--regions", type=int, default=3, help="how many regions (default: %(default)s)")
+    p.add_argument("--seconds", type=float, default=60.0, help="run time (default: %(default)s)")
+    p.add_argument("--policy", choices=("local", "share", "closed"), default="share",
+                   help="partition policy of the demo rule (default: %(default)s)")
+    p.add_argument("--plot", default="geolimit-demo.png", help="PNG written at the end ('' to skip)")
+    p.add_argument("--latency", type=float, default=0.05, help="one-way latency between regions, seconds")
+    p.add_argument("--quiet", action="store_true", help="no live table, only the summary")
+    p.set_defaults(handler=_cmd_demo)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench", metavar="BENCH")
+    p = bench.add_parser("accuracy", help="global over-admission against an exact oracle (simulated regions)")
+    p.add_argument("--scenario", action="append", help="scenario name (repeatable; default: all)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of simulated traffic (default: 60)")
+    p.add_argument("--json", default=None, help="also write the figures as JSON here")
+    p.add_argument("--redis-url", default=None, help="use this Redis (default: an embedded redis-server)")
+    p.set_defaults(handler=_cmd_bench_accuracy)
     return parser
 
 

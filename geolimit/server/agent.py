@@ -16,6 +16,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -219,6 +220,38 @@ class Agent:
         if exc is not None:
             self._failure = f"{type(exc).__name__}: {exc}"
             log.error("agent %s: gossip loop crashed", self.config.region, exc_info=exc)
+
+    async def reload(self, config: AgentConfig) -> str:
+        """Apply a re-read configuration's rules (limits, policies, new and removed rules).
+
+        Everything is validated before anything changes: a rule whose window or
+        resolution disagrees with what this Redis already holds is refused (its keys
+        would be misread). Settings that need a restart (listen addresses, peers,
+        secret, Redis URL) are reported, not applied.
+        """
+        limiter = self.require_limiter()
+        if self.engine is None:
+            raise GeolimitError("agent is not started")
+        await limiter.verify_rules(config.rules)
+        old = self.config
+        limiter.set_rules(config.rules)
+        self.engine.store.set_rules(limiter.rules)
+        restart = [
+            name for name, a, b in (
+                ("listen", old.listen, config.listen), ("api_listen", old.api_listen, config.api_listen),
+                ("peers", old.peers, config.peers), ("secret", old.secret, config.secret),
+                ("redis_url", old.redis_url, config.redis_url), ("gossip interval", old.interval, config.interval),
+            ) if a != b
+        ]
+        if restart:
+            log.warning("agent %s: changes to %s need a restart; they were not applied", old.region, ", ".join(restart))
+        before = {r.name: r for r in old.rules}
+        after = {r.name: r for r in config.rules}
+        summary = [f"+{n}" for n in after if n not in before] + [f"-{n}" for n in before if n not in after]
+        summary += [f"~{n}" for n in after if n in before and after[n] != before[n]]
+        self.config = replace(config, listen=old.listen, api_listen=old.api_listen, peers=old.peers,
+                              secret=old.secret, redis_url=old.redis_url, interval=old.interval)
+        return " ".join(summary)
 
     # -- introspection --------------------------------------------------------
 

@@ -42,7 +42,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["AgentConfig", "PeerConfig", "TLSConfig", "load_config", "parse_config", "parse_listen"]
+__all__ = [
+    "AgentConfig", "PeerConfig", "TLSConfig", "check_keys", "get_table", "load_config", "load_toml",
+    "parse_config", "parse_listen", "parse_positive_int", "parse_rules", "parse_seconds", "read_secret",
+    "require", "resolve_path",
+]
 
 _SECTIONS = {
     "region": {"name", "redis_url", "listen", "secret_file", "key_prefix", "shards", "on_error", "api_listen", "api_token_file"},
@@ -50,7 +54,7 @@ _SECTIONS = {
                "outbox_limit", "auth_window", "tls"},
     "log": {"format", "level"},
 }
-_RULE_KEYS = {"name", "limit", "window", "resolution", "mode"}
+_RULE_KEYS = {"name", "limit", "window", "resolution", "mode", "predict", "partition", "partition_after"}
 _PEER_KEYS = {"name", "url"}
 _TLS_KEYS = {"cert_file", "key_file", "ca_file", "verify_peers"}
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -124,63 +128,68 @@ def parse_listen(value: object, where: str) -> tuple[str, int]:
     return host, port
 
 
-def load_config(path: str | os.PathLike[str]) -> AgentConfig:
-    """Read and validate an agent TOML file."""
+def load_toml(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Path]:
+    """Read a TOML file; every failure is a ConfigError naming the file."""
     file = Path(path)
     try:
-        data = tomllib.loads(file.read_text(encoding="utf-8"))
+        return tomllib.loads(file.read_text(encoding="utf-8")), file
     except FileNotFoundError:
         raise ConfigError(f"config file {str(file)!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {str(file)!r}: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{file}: invalid TOML: {exc}") from None
+
+
+def load_config(path: str | os.PathLike[str]) -> AgentConfig:
+    """Read and validate an agent TOML file."""
+    data, file = load_toml(path)
     return parse_config(data, file)
 
 
 def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConfig:
     src = str(path) if path else "<config>"
     base = path.parent if path else Path.cwd()
-    _known(data, {"region", "gossip", "rule", "log"}, src, "")
-    region = _table(data, "region", src, required=True)
-    gossip = _table(data, "gossip", src, required=True)
-    logs = _table(data, "log", src)
+    check_keys(data, {"region", "gossip", "rule", "log"}, src, "")
+    region = get_table(data, "region", src, required=True)
+    gossip = get_table(data, "gossip", src, required=True)
+    logs = get_table(data, "log", src)
     for name, table in (("region", region), ("gossip", gossip), ("log", logs)):
-        _known(table, _SECTIONS[name], src, name + ".")
-    name = _get(region, "name", str, src, "region.name")
+        check_keys(table, _SECTIONS[name], src, name + ".")
+    name = require(region, "name", str, src, "region.name")
     try:
         validate_region(name)
     except ConfigError as exc:
         raise ConfigError(f"{src}: region.name: {exc}") from None
     opts: dict[str, Any] = {}
-    secret_file = _resolve(base, _get(region, "secret_file", str, src, "region.secret_file"))
-    secret = _read_secret(secret_file, src)
-    redis_url = _get(region, "redis_url", str, src, "region.redis_url")
+    secret_file = resolve_path(base, require(region, "secret_file", str, src, "region.secret_file"))
+    secret = read_secret(secret_file, src)
+    redis_url = require(region, "redis_url", str, src, "region.redis_url")
     try:
         split_cluster_url(redis_url)
     except ConfigError as exc:
         raise ConfigError(f"{src}: region.redis_url: {exc}") from None
-    listen = parse_listen(_get(region, "listen", str, src, "region.listen"), f"{src}: region.listen")
-    peers = _peers(gossip, src, name)
+    listen = parse_listen(require(region, "listen", str, src, "region.listen"), f"{src}: region.listen")
+    peers = parse_peers(gossip, src, name)
     if "rule" not in data:
         raise ConfigError(f"{src}: missing key rule: define at least one [[rule]] table (name, limit)")
-    rules = _rules(data["rule"], src)
+    rules = parse_rules(data["rule"], src)
     if "interval" in gossip:
-        opts["interval"] = _seconds(gossip["interval"], src, "gossip.interval")
+        opts["interval"] = parse_seconds(gossip["interval"], src, "gossip.interval")
     for key in ("anti_entropy_interval", "max_backoff", "timeout", "auth_window"):
         if key in gossip:
-            opts[key] = _seconds(gossip[key], src, f"gossip.{key}")
+            opts[key] = parse_seconds(gossip[key], src, f"gossip.{key}")
     for key in ("max_message_bytes", "outbox_limit"):
         if key in gossip:
-            opts[key] = _positive_int(gossip[key], src, f"gossip.{key}")
+            opts[key] = parse_positive_int(gossip[key], src, f"gossip.{key}")
     if "tls" in gossip:
-        opts["tls"] = _tls(gossip["tls"], src, base)
+        opts["tls"] = parse_tls(gossip["tls"], src, base)
     if "key_prefix" in region:
-        opts["key_prefix"] = _get(region, "key_prefix", str, src, "region.key_prefix")
+        opts["key_prefix"] = require(region, "key_prefix", str, src, "region.key_prefix")
     if "shards" in region:
-        opts["shards"] = _positive_int(region["shards"], src, "region.shards")
+        opts["shards"] = parse_positive_int(region["shards"], src, "region.shards")
     if "on_error" in region:
-        value = _get(region, "on_error", str, src, "region.on_error")
+        value = require(region, "on_error", str, src, "region.on_error")
         if value not in ("raise", "allow", "deny"):
             raise ConfigError(f"{src}: region.on_error must be 'raise', 'allow' or 'deny', got {value!r}")
         opts["on_error"] = value
@@ -190,15 +199,15 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
             raise ConfigError(f"{src}: region.api_listen must differ from region.listen ({listen[0]}:{listen[1]})")
         opts["api_listen"] = api_listen
     if "api_token_file" in region:
-        token_file = _resolve(base, _get(region, "api_token_file", str, src, "region.api_token_file"))
+        token_file = resolve_path(base, require(region, "api_token_file", str, src, "region.api_token_file"))
         opts["api_token"] = _read_token(token_file, src)
     if "format" in logs:
-        fmt = _get(logs, "format", str, src, "log.format")
+        fmt = require(logs, "format", str, src, "log.format")
         if fmt not in ("text", "json"):
             raise ConfigError(f"{src}: log.format must be 'text' or 'json', got {fmt!r}")
         opts["log_format"] = fmt
     if "level" in logs:
-        level = _get(logs, "level", str, src, "log.level").upper()
+        level = require(logs, "level", str, src, "log.level").upper()
         if level not in _LOG_LEVELS:
             raise ConfigError(f"{src}: log.level must be one of {', '.join(_LOG_LEVELS)} (any case), got {level!r}")
         opts["log_level"] = level
@@ -214,13 +223,13 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
     )
 
 
-def _known(table: Mapping[str, Any], allowed: set[str], src: str, where: str) -> None:
+def check_keys(table: Mapping[str, Any], allowed: set[str], src: str, where: str) -> None:
     for key in table:
         if key not in allowed:
             raise ConfigError(f"{src}: unknown key {where + key!r}; allowed here: {', '.join(sorted(allowed))}")
 
 
-def _table(data: Mapping[str, Any], key: str, src: str, required: bool = False) -> Mapping[str, Any]:
+def get_table(data: Mapping[str, Any], key: str, src: str, required: bool = False) -> Mapping[str, Any]:
     if key not in data:
         if required:
             raise ConfigError(f"{src}: missing section [{key}]")
@@ -231,7 +240,7 @@ def _table(data: Mapping[str, Any], key: str, src: str, required: bool = False) 
     return value
 
 
-def _get(table: Mapping[str, Any], key: str, kind: type, src: str, where: str) -> Any:
+def require(table: Mapping[str, Any], key: str, kind: type, src: str, where: str) -> Any:
     if key not in table:
         raise ConfigError(f"{src}: missing key {where}")
     value = table[key]
@@ -240,7 +249,7 @@ def _get(table: Mapping[str, Any], key: str, kind: type, src: str, where: str) -
     return value
 
 
-def _seconds(value: object, src: str, where: str) -> float:
+def parse_seconds(value: object, src: str, where: str) -> float:
     if isinstance(value, str):
         try:
             return parse_duration(value)
@@ -251,18 +260,18 @@ def _seconds(value: object, src: str, where: str) -> float:
     return float(value)
 
 
-def _positive_int(value: object, src: str, where: str) -> int:
+def parse_positive_int(value: object, src: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{src}: {where} must be a positive integer, got {value!r}")
     return value
 
 
-def _resolve(base: Path, value: str) -> Path:
+def resolve_path(base: Path, value: str) -> Path:
     path = Path(value).expanduser()
     return path if path.is_absolute() else base / path
 
 
-def _read_secret(path: Path, src: str, what: str = "region.secret_file") -> bytes:
+def read_secret(path: Path, src: str, what: str = "region.secret_file") -> bytes:
     try:
         secret = path.read_bytes().strip()
     except OSError as exc:
@@ -277,7 +286,7 @@ def _read_secret(path: Path, src: str, what: str = "region.secret_file") -> byte
 
 def _read_token(path: Path, src: str) -> str:
     """An API bearer token: at least MIN_SECRET_BYTES printable ASCII characters, no spaces."""
-    raw = _read_secret(path, src, what="region.api_token_file")
+    raw = read_secret(path, src, what="region.api_token_file")
     if not all(0x21 <= b <= 0x7E for b in raw):
         raise ConfigError(
             f"{src}: region.api_token_file: {str(path)!r} must hold one line of printable ASCII without "
@@ -287,7 +296,7 @@ def _read_token(path: Path, src: str) -> str:
     return raw.decode("ascii")
 
 
-def _peers(gossip: Mapping[str, Any], src: str, own: str) -> tuple[PeerConfig, ...]:
+def parse_peers(gossip: Mapping[str, Any], src: str, own: str) -> tuple[PeerConfig, ...]:
     raw = gossip.get("peers", [])
     if not isinstance(raw, list):
         raise ConfigError(f"{src}: gossip.peers must be a list of {{ name = ..., url = ... }} tables")
@@ -296,9 +305,9 @@ def _peers(gossip: Mapping[str, Any], src: str, own: str) -> tuple[PeerConfig, .
         where = f"gossip.peers[{i}]"
         if not isinstance(item, Mapping):
             raise ConfigError(f"{src}: {where} must be a table with name and url")
-        _known(item, _PEER_KEYS, src, where + ".")
-        name = _get(item, "name", str, src, f"{where}.name")
-        url = _get(item, "url", str, src, f"{where}.url")
+        check_keys(item, _PEER_KEYS, src, where + ".")
+        name = require(item, "name", str, src, f"{where}.name")
+        url = require(item, "url", str, src, f"{where}.url")
         try:
             validate_region(name)
         except ConfigError as exc:
@@ -320,7 +329,7 @@ def _peers(gossip: Mapping[str, Any], src: str, own: str) -> tuple[PeerConfig, .
     return tuple(peers)
 
 
-def _rules(raw: object, src: str) -> tuple[Rule, ...]:
+def parse_rules(raw: object, src: str) -> tuple[Rule, ...]:
     if not isinstance(raw, list):
         raise ConfigError(f"{src}: rules are [[rule]] tables")
     rules: list[Rule] = []
@@ -328,8 +337,8 @@ def _rules(raw: object, src: str) -> tuple[Rule, ...]:
         where = f"rule[{i}]"
         if not isinstance(item, Mapping):
             raise ConfigError(f"{src}: {where} must be a table")
-        _known(item, _RULE_KEYS, src, where + ".")
-        name = _get(item, "name", str, src, f"{where}.name")
+        check_keys(item, _RULE_KEYS, src, where + ".")
+        name = require(item, "name", str, src, f"{where}.name")
         if "limit" not in item:
             raise ConfigError(f"{src}: missing key {where}.limit (rule {name!r}): a rate such as '1000/10s', "
                               f"or a number with window")
@@ -343,16 +352,23 @@ def _rules(raw: object, src: str) -> tuple[Rule, ...]:
             elif isinstance(limit, int) and not isinstance(limit, bool):
                 if "window" not in item:
                     raise ConfigError("limit is a number, so window (seconds or '10s') is required")
-                count, window = limit, _seconds(item["window"], src, f"{where}.window")
+                count, window = limit, parse_seconds(item["window"], src, f"{where}.window")
             else:
                 raise ConfigError(f"limit must be a rate string such as '1000/10s' or a number, got {limit!r}")
             resolution = item.get("resolution")
             if resolution is not None:
-                resolution = _seconds(resolution, src, f"{where}.resolution")
+                resolution = parse_seconds(resolution, src, f"{where}.resolution")
             mode = item.get("mode", "strict")
             if mode not in ("strict", "approximate"):
                 raise ConfigError(f"mode must be 'strict' or 'approximate', got {mode!r}")
-            rule = Rule(name, count, window, resolution, mode)
+            options: dict[str, Any] = {}
+            if "predict" in item:
+                options["predict"] = item["predict"]
+            if "partition" in item:
+                options["partition"] = item["partition"]
+            if "partition_after" in item:
+                options["partition_after"] = parse_seconds(item["partition_after"], src, f"{where}.partition_after")
+            rule = Rule(name, count, window, resolution, mode, **options)
         except GeolimitError as exc:
             raise ConfigError(f"{src}: {where}: {exc}") from None
         if any(r.name == rule.name for r in rules):
@@ -361,15 +377,15 @@ def _rules(raw: object, src: str) -> tuple[Rule, ...]:
     return tuple(rules)
 
 
-def _tls(raw: object, src: str, base: Path) -> TLSConfig:
+def parse_tls(raw: object, src: str, base: Path) -> TLSConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{src}: gossip.tls must be a table")
-    _known(raw, _TLS_KEYS, src, "gossip.tls.")
+    check_keys(raw, _TLS_KEYS, src, "gossip.tls.")
     files: dict[str, Path | None] = {}
     for key in ("cert_file", "key_file", "ca_file"):
         value = raw.get(key)
         if value is not None:
-            path = _resolve(base, _get(raw, key, str, src, f"gossip.tls.{key}"))
+            path = resolve_path(base, require(raw, key, str, src, f"gossip.tls.{key}"))
             if not path.is_file():
                 raise ConfigError(f"{src}: gossip.tls.{key}: {str(path)!r} does not exist")
             files[key] = path

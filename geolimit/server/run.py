@@ -58,16 +58,37 @@ def configure_logging(fmt: str = "text", level: str = "INFO") -> None:
     ours.propagate = True
 
 
-async def _serve(config: AgentConfig, flush_timeout: float) -> int:
+async def _reload(agent: Agent, path: str) -> None:
+    """SIGHUP: re-read the file; a file that does not validate keeps the old rules."""
+    try:
+        config = load_config(path)
+        changed = await agent.reload(config)
+    except GeolimitError as exc:
+        log.error("agent %s: reload of %s refused, keeping the running configuration: %s",
+                  agent.config.region, path, exc)
+        return
+    log.info("agent %s: reloaded %s (%s)", agent.config.region, path, changed or "no rule changes")
+
+
+async def _serve(config: AgentConfig, flush_timeout: float, path: str | None = None) -> int:
     agent = Agent(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    reloads: set[asyncio.Task[None]] = set()
+
+    def hangup() -> None:
+        if path is not None:
+            task = loop.create_task(_reload(agent, path))
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, hangup)
     try:
         return await _supervise(agent, config, stop, flush_timeout)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
 
 
@@ -114,4 +135,4 @@ def run_agent(config_path: str, flush_timeout: float = 2.0) -> int:
         raise ConfigError(f"the flush timeout must be >= 0 seconds, got {flush_timeout!r}")
     config = load_config(config_path)
     configure_logging(config.log_format, config.log_level)
-    return asyncio.run(_serve(config, flush_timeout))
+    return asyncio.run(_serve(config, flush_timeout, config_path))

@@ -274,3 +274,19 @@ def test_tls_files_are_loaded_at_config_time(tmp_path: Path, secret: bytes) -> N
     lonely = copy.deepcopy(data)
     del lonely["gossip"]["tls"]["key_file"]
     assert "key_file" in refused(tmp_path, lonely)
+
+
+def test_rule_policies_are_parsed(tmp_path: Path) -> None:
+    secret = tmp_path / "gossip.key"
+    secret.write_text("x" * 32)
+    config = tmp_path / "region.toml"
+    config.write_text(
+        '[region]\nname = "a"\nredis_url = "redis://127.0.0.1:6379/0"\nlisten = "127.0.0.1:7400"\n'
+        'secret_file = "gossip.key"\n[gossip]\ninterval = 0.1\n'
+        '[[rule]]\nname = "api"\nlimit = "100/10s"\npartition = "share"\npartition_after = "2s"\npredict = false\n'
+    )
+    (rule,) = load_config(config).rules
+    assert (rule.partition, rule.partition_after, rule.predict) == ("share", 2.0, False)
+    config.write_text(config.read_text().replace('"share"', '"open"'))
+    with pytest.raises(ConfigError, match="partition must be"):
+        load_config(config)

@@ -1,0 +1,1 @@
+"""HTTP integrations: shared headers, keys and the request guard."""

@@ -1,0 +1,76 @@
+"""A :class:`~geolimit.http.guard.Decider` that asks the region's agent (``POST /v1/check``).
+
+For processes that should not talk to Redis themselves: the proxy can use the
+local agent instead of a Redis URL. Errors reaching the agent raise
+:class:`~geolimit.errors.StorageError`, so failure policies apply the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import Any
+
+import aiohttp
+
+from geolimit.core.decision import Decision, RuleDecision, combine
+from geolimit.errors import StorageError, UnknownRuleError
+
+__all__ = ["AgentClient"]
+
+
+class AgentClient:
+    def __init__(self, url: str, token: str | None = None, timeout: float = 1.0) -> None:
+        self.url = url.rstrip("/")
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
+
+    async def hit(self, rules: str, subject: str | bytes, cost: int = 1) -> Decision:
+        body: dict[str, Any] = {"rule": rules, "cost": cost}
+        if isinstance(subject, bytes):
+            import base64
+
+            body["subject_b64"] = base64.b64encode(subject).decode()
+        else:
+            body["subject"] = subject
+        try:
+            async with self._client().post(self.url + "/v1/check", data=json.dumps(body), headers=self._headers) as resp:
+                payload = await resp.json(content_type=None)
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            raise StorageError(f"agent {self.url} unreachable: {type(exc).__name__}: {exc}") from exc
+        if status == 404:
+            raise UnknownRuleError(rules)
+        if status != 200:
+            raise StorageError(f"agent {self.url} answered HTTP {status}: {payload}")
+        return _decision(payload)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _decision(payload: dict[str, Any]) -> Decision:
+    results = [
+        RuleDecision(
+            rule=r["rule"], allowed=r["allowed"], limit=r["limit"], remaining=r["remaining"],
+            retry_after=math.inf if r["retry_after"] is None else float(r["retry_after"]),
+            reset_after=float(r["reset_after"]), window=float(r["window"]),
+        )
+        for r in payload.get("rules", [])
+    ]
+    if not results:
+        raise StorageError(f"agent answered without per-rule results: {payload}")
+    decision = combine(results)
+    decision.degraded = bool(payload.get("degraded", False))
+    return decision

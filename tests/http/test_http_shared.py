@@ -1,0 +1,120 @@
+"""Shared HTTP pieces: IETF RateLimit headers, client addresses, keys, costs, the guard."""
+
+from __future__ import annotations
+
+import json
+
+import http_sfv
+import pytest
+
+from geolimit import Rule
+from geolimit.async_limiter import AsyncLimiter
+from geolimit.core.decision import RuleDecision, combine
+from geolimit.errors import ConfigError
+from geolimit.http.guard import Guard, LimitSpec, RoutePolicy
+from geolimit.http.headers import problem_body, rate_limit_headers
+from geolimit.http.keys import (
+    CostSpec,
+    KeySpec,
+    RequestInfo,
+    Route,
+    client_address,
+    trusted_networks,
+)
+
+
+def _rule_decision(rule: str, allowed: bool, remaining: int, retry: float, reset: float) -> RuleDecision:
+    return RuleDecision(rule, allowed, 10, remaining, retry, reset, 60.0)
+
+
+def test_ratelimit_headers_are_valid_structured_fields() -> None:
+    d = combine([_rule_decision("api", True, 7, 0.0, 12.2), _rule_decision('we"ird', True, 3, 0.0, 1.0)])
+    headers = dict(rate_limit_headers(d, legacy=True))
+    policy = http_sfv.List()
+    policy.parse(headers["RateLimit-Policy"].encode())
+    assert [(item.value, dict(item.params)) for item in policy] == [
+        ("api", {"q": 10, "w": 60}), ('we"ird', {"q": 10, "w": 60})]
+    current = http_sfv.List()
+    current.parse(headers["RateLimit"].encode())
+    assert [(item.value, item.params["r"], item.params["t"]) for item in current] == [("api", 7, 13), ('we"ird', 3, 1)]
+    assert "Retry-After" not in headers
+    assert headers["X-RateLimit-Remaining"] == "3"
+
+
+def test_denials_carry_retry_after_and_a_problem_document() -> None:
+    d = combine([_rule_decision("api", False, 0, 4.2, 9.0)])
+    headers = dict(rate_limit_headers(d))
+    assert headers["Retry-After"] == "5"
+    doc = json.loads(problem_body(d, "/search"))
+    assert doc["status"] == 429
+    assert doc["title"] == "Too Many Requests"
+    assert doc["retry_after"] == 4.2
+    assert doc["instance"] == "/search"
+    never = combine([_rule_decision("api", False, 0, float("inf"), 0.0)])
+    assert dict(rate_limit_headers(never))["Retry-After"] == "60"
+    assert json.loads(problem_body(never))["retry_after"] is None
+
+
+def _req(peer: str, **headers: str) -> RequestInfo:
+    return RequestInfo("GET", "/x", {k.lower().replace("_", "-"): v for k, v in headers.items()}, peer)
+
+
+def test_client_address_honours_forwarding_headers_only_from_trusted_proxies() -> None:
+    trusted = trusted_networks(["10.0.0.0/8", "::1"])
+    assert client_address(_req("203.0.113.7", x_forwarded_for="1.2.3.4"), trusted) == "203.0.113.7"
+    assert client_address(_req("10.0.0.5", x_forwarded_for="1.2.3.4, 10.0.0.9"), trusted) == "1.2.3.4"
+    assert client_address(_req("10.0.0.5", x_forwarded_for="6.6.6.6, 1.2.3.4"), trusted) == "1.2.3.4"
+    forwarded = 'for=192.0.2.60;proto=http;by=203.0.113.43, for="[2001:db8:cafe::17]:4711"'
+    assert client_address(_req("::1", forwarded=forwarded), trusted) == "2001:db8:cafe::17"
+    assert client_address(_req("10.0.0.5", x_forwarded_for="garbage, ,"), trusted) == "10.0.0.5"
+    assert client_address(_req("10.0.0.5", forwarded="for=unknown"), trusted) == "10.0.0.5"
+    with pytest.raises(ConfigError, match="invalid trusted proxy"):
+        trusted_networks(["10.0.0.0/33"])
+
+
+def test_keys_costs_and_routes() -> None:
+    route = Route("/users/{id}/posts/*", frozenset({"GET"}))
+    params = route.match("GET", "/users/42/posts/a/b")
+    assert params == {"id": "42"}
+    assert route.match("POST", "/users/42/posts/a") is None
+    request = RequestInfo("GET", "/users/42/posts/a", {"x-api-key": "k1", "x-cost": "7"}, "198.51.100.1", 123)
+    key = KeySpec("ip+header:X-API-Key+param:id+path")
+    assert key.subject(request, params or {}, route.template, ()) == (
+        "ip=198.51.100.1|x-api-key=k1|id=42|path=/users/{id}/posts/*")
+    assert KeySpec("header:X-Missing").subject(request, {}, "/", ()) == "x-missing=-"
+    assert CostSpec("header:X-Cost").cost(request) == 7
+    assert CostSpec("body").cost(request) == 123
+    with pytest.raises(ValueError, match="Content-Length"):
+        CostSpec("body").cost(RequestInfo("POST", "/", {}, None))
+    for bad in ("", "ip+", "header:", "cookie:x"):
+        with pytest.raises(ConfigError, match="invalid key"):
+            KeySpec(bad)
+    with pytest.raises(ConfigError, match="invalid cost"):
+        CostSpec(-1)
+
+
+async def test_guard_enforces_shadows_and_fails_per_rule(redis_url: str, redis_client: object) -> None:
+    rules = [Rule("api", 2, 60), Rule("watch", 1, 60)]
+    async with AsyncLimiter.from_url(redis_url, region="e", rules=rules) as limiter:
+        guard = Guard(limiter, [RoutePolicy(Route("/api/*"), (
+            LimitSpec("api", KeySpec("ip")), LimitSpec("watch", KeySpec("ip"), shadow=True)))])
+        request = RequestInfo("GET", "/api/v1", {}, "192.0.2.1")
+        first = await guard.check(request)
+        assert first.allowed
+        assert not first.shadow_denied
+        second = await guard.check(request)
+        assert second.allowed, "shadow rules never deny"
+        assert second.shadow_denied == ["watch"]
+        third = await guard.check(request)
+        assert not third.allowed
+        assert third.denied_by == ["api"]
+        assert dict(third.headers())["Retry-After"]
+        assert (await guard.check(RequestInfo("GET", "/other", {}, "192.0.2.1"))).decision is None
+    down = AsyncLimiter.from_url("redis://127.0.0.1:1/0", region="e", rules=rules, timeout=0.2)
+    guard = Guard(down, [RoutePolicy(Route("/*"), (
+        LimitSpec("api", on_error="allow"), LimitSpec("watch", on_error="deny")))])
+    verdict = await guard.check(RequestInfo("GET", "/", {}, "192.0.2.1"))
+    assert not verdict.allowed
+    assert verdict.failed == ["api", "watch"]
+    assert verdict.denied_by == ["watch"]
+    await down.aclose()
