@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="run 3 regions on this machine, partition one, plot the result")
     p.add_argument("--regions", type=int, default=3, help="how many regions (default: %(default)s)")
-    p.add_argument("--seconds", type=float, default=60.0, help="run time (default: %(default)s)")
+    p.add_argument("--seconds", type=float, default=55.0,
+                   help="seconds of traffic (default: %(default)s; start-up, shutdown and the plot add ~4 s)")
     p.add_argument("--policy", choices=("local", "share", "closed"), default="share",
                    help="partition policy of the demo rule (default: %(default)s)")
     p.add_argument("--plot", default="geolimit-demo.png", help="PNG written at the end ('' to skip)")
