@@ -11,6 +11,7 @@ from geolimit.core.decision import Decision, RuleDecision
 from geolimit.core.keys import KeyLayout
 from geolimit.core.rule import Rule, parse_rate
 from geolimit.core.usage import Usage
+from geolimit.decorators import RateLimited, alimit, limit, limited
 from geolimit.errors import (
     AuthenticationError,
     ConfigError,
@@ -32,12 +33,16 @@ __all__ = [
     "Limiter",
     "ManualClock",
     "ProtocolError",
+    "RateLimited",
     "RequestError",
     "Rule",
     "RuleDecision",
     "StorageError",
     "UnknownRuleError",
     "Usage",
+    "alimit",
+    "limit",
+    "limited",
     "parse_rate",
 ]
 __version__ = "0.1.0"

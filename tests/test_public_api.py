@@ -15,12 +15,16 @@ PUBLIC = {
     "Limiter",
     "ManualClock",
     "ProtocolError",
+    "RateLimited",
     "RequestError",
     "Rule",
     "RuleDecision",
     "StorageError",
     "UnknownRuleError",
     "Usage",
+    "alimit",
+    "limit",
+    "limited",
     "parse_rate",
 }
 
