@@ -35,6 +35,12 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     return run_agent(args.config, args.flush_timeout)
 
 
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from geolimit.proxy.run import run_proxy
+
+    return run_proxy(args.config)
+
+
 def _read_token(path: str) -> str:
     """The API token in ``path`` (surrounding whitespace stripped); ConfigError naming the file."""
     from pathlib import Path
@@ -184,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="region TOML file")
     p.add_argument("--flush-timeout", type=float, default=2.0, help="seconds to deliver outboxes on SIGTERM")
     p.set_defaults(handler=_cmd_agent)
+
+    p = sub.add_parser("proxy", help="run the rate-limiting HTTP reverse proxy")
+    p.add_argument("--config", required=True, help="proxy TOML file")
+    p.set_defaults(handler=_cmd_proxy)
 
     p = sub.add_parser(
         "check", help="ask an agent for a decision (exit 0 allowed, 1 denied)",

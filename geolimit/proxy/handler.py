@@ -1,0 +1,329 @@
+"""The request path: decide, then stream the request to an upstream and the response back.
+
+Bodies are streamed both ways (at most one read buffer per direction in memory);
+only bodies whose ``Content-Length`` is at most :data:`SMALL_BODY` bytes are read
+whole, which saves a few event-loop round trips per request. Errors are RFC 9457
+``application/problem+json``: 400 (unreadable cost), 413 (over ``max_body``),
+429 (rate limited), 502 (upstream unreachable or broken), 503 (a fail-closed
+limit could not be decided), 504 (upstream timeout). An upstream failure after
+the response has started aborts the client's connection, so a truncated
+response never looks complete.
+
+Retries: a request goes to the next upstream (round robin) only when connecting
+failed, its method is idempotent and its body is not being streamed (no body,
+or a small one already read); each upstream is tried at most once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from yarl import URL
+
+from geolimit.errors import RequestError
+from geolimit.http.guard import Guard, RoutePolicy, Verdict
+from geolimit.http.headers import PROBLEM_TYPE, problem_body
+from geolimit.http.keys import Network, RequestInfo
+from geolimit.proxy.config import ProxyConfig
+from geolimit.proxy.forwarding import request_headers, response_headers
+from geolimit.proxy.metrics import ProxyMetrics
+
+__all__ = ["SMALL_BODY", "Forwarder", "State"]
+
+log = logging.getLogger("geolimit.proxy")
+
+SMALL_BODY = 64 * 1024
+_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
+_NO_BODY_STATUS = frozenset({204, 304})
+
+
+@dataclass(frozen=True)
+class Upstream:
+    base: str  # scheme://host:port
+    host: str  # the Host header for it
+
+
+@dataclass(frozen=True)
+class State:
+    """Everything a reload replaces at once; a request keeps the state it started with."""
+
+    config: ProxyConfig
+    guard: Guard
+    trusted: tuple[Network, ...]
+    upstreams: tuple[Upstream, ...]
+    timeout: aiohttp.ClientTimeout
+    checked_costs: frozenset[int]  # id() of policies whose costs come from the request
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def problem(status: int, title: str, detail: str, instance: str, headers: Iterable[tuple[str, str]] = ()) -> web.Response:
+    doc = {"type": "about:blank", "title": title, "status": status, "detail": detail, "instance": instance}
+    resp = web.Response(status=status, body=json.dumps(doc).encode(), headers=dict(headers))
+    resp.content_type = PROBLEM_TYPE
+    return resp
+
+
+def upstream_for(url: str) -> Upstream:
+    """An upstream base URL and the Host header that names it."""
+    parsed = URL(url)
+    host = parsed.raw_host or ""
+    if ":" in host:
+        host = f"[{host}]"
+    if not parsed.is_default_port():
+        host += f":{parsed.port}"
+    return Upstream(url, host)
+
+
+class Forwarder:
+    """Handles every request of the proxy listener (an aiohttp low-level server handler)."""
+
+    def __init__(self, state: State, session: aiohttp.ClientSession, metrics: ProxyMetrics) -> None:
+        self.state = state
+        self.session = session
+        self.metrics = metrics
+        self._next = 0
+
+    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        metrics = self.metrics
+        metrics.in_flight += 1
+        try:
+            route, resp = await self._handle(self.state, request)
+        finally:
+            metrics.in_flight -= 1
+        metrics.response(route, resp.status)
+        return resp
+
+    async def _handle(self, state: State, request: web.BaseRequest) -> tuple[str, web.StreamResponse]:
+        config = state.config
+        info = RequestInfo(request.method, request.path, request.headers, request.remote, request.content_length)
+        route = ""
+        verdict: Verdict | None = None
+        found = state.guard.match(info)
+        if found is not None:
+            route = found[0].route.template
+        if config.max_body is not None and (info.content_length or 0) > config.max_body:
+            return route, self._unread(request, problem(
+                413, "Content Too Large", f"the body exceeds {config.max_body} bytes", request.path))
+        if found is not None and found[0].limits:
+            policy = found[0]
+            if id(policy) in state.checked_costs:
+                for limit in policy.limits:
+                    try:
+                        limit.cost.cost(info)
+                    except ValueError as exc:
+                        return route, self._unread(request, problem(
+                            400, "Bad Request", f"cannot read the cost of rule {limit.rule!r}: {exc}", request.path))
+            try:
+                verdict = await state.guard.check(info)
+            except RequestError as exc:
+                return route, self._unread(request, problem(
+                    400, "Bad Request", f"cannot rate-limit this request: {exc}", request.path))
+            self._count(route, policy, verdict)
+            if not verdict.allowed:
+                return route, self._unread(request, self._refusal(request, verdict, config.legacy_headers))
+        extra: list[tuple[str, str]] = []
+        if verdict is not None:  # informational; a shadow limit's wait is no reason to come back later
+            extra = [h for h in verdict.headers(config.legacy_headers) if h[0] != "Retry-After"]
+        return route, await self._forward(state, request, extra)
+
+    def _count(self, route: str, policy: RoutePolicy, verdict: Verdict) -> None:
+        failed, shadow, denied = list(verdict.failed), list(verdict.shadow_denied), list(verdict.denied_by)
+        for limit in policy.limits:
+            rule = limit.rule
+            if rule in failed:
+                failed.remove(rule)
+                if rule in denied and limit.on_error == "deny" and not limit.shadow:
+                    denied.remove(rule)
+                result = f"error_{limit.on_error}"
+            elif rule in shadow:
+                shadow.remove(rule)
+                result = "shadow_denied"
+            elif rule in denied:
+                denied.remove(rule)
+                result = "denied"
+            else:
+                result = "allowed"
+            self.metrics.decision(route, rule, result)
+
+    @staticmethod
+    def _refusal(request: web.BaseRequest, verdict: Verdict, legacy: bool) -> web.Response:
+        headers = verdict.headers(legacy)
+        decision = verdict.decision
+        if verdict.bad_request is not None:
+            return problem(400, "Bad Request", verdict.bad_request, request.path)
+        if decision is not None and not decision.allowed:
+            resp = web.Response(status=429, body=problem_body(decision, request.path), headers=headers)
+            resp.content_type = PROBLEM_TYPE
+            log.debug("denied %s %s by %s", request.method, request.path, ", ".join(verdict.denied_by))
+            return resp
+        names = ", ".join(verdict.denied_by)
+        return problem(503, "Service Unavailable",
+                       f"the rate limit storage is unavailable and rule(s) {names} fail closed",
+                       request.path, [*headers, ("Retry-After", "1")])
+
+    @staticmethod
+    def _unread(request: web.BaseRequest, resp: web.StreamResponse) -> web.StreamResponse:
+        """A response sent before the request's body was read: close the connection after it."""
+        if request.body_exists and not request.content.is_eof():
+            resp.force_close()
+        return resp
+
+    async def _body(self, request: web.BaseRequest, limit: int | None, failure: list[str]) -> AsyncIterator[bytes]:
+        total = 0
+        content = request.content
+        while True:
+            try:
+                chunk = await content.readany()
+            except Exception:
+                failure.append("client")
+                raise
+            if not chunk:
+                return
+            total += len(chunk)
+            if limit is not None and total > limit:
+                failure.append("too_large")
+                raise _BodyTooLarge
+            yield chunk
+
+    async def _forward(
+        self, state: State, request: web.BaseRequest, extra: Iterable[tuple[str, str]]
+    ) -> web.StreamResponse:
+        config = state.config
+        method = request.method
+        target = request.raw_path
+        if not target.startswith("/"):
+            if target.startswith(("http://", "https://")):
+                target = URL(target).raw_path_qs  # absolute-form request target
+            else:
+                return problem(400, "Bad Request", "the request target must be a path", "/")
+        failure: list[str] = []
+        data: bytes | AsyncIterator[bytes] | None = None
+        length = request.content_length
+        if request.body_exists:
+            if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if length is not None and length <= SMALL_BODY:
+                try:
+                    data = await request.read()
+                except (ConnectionError, aiohttp.ClientError, asyncio.TimeoutError):
+                    return self._client_gone(request, "while sending its body")
+            else:
+                data = self._body(request, config.max_body, failure)
+        headers = request_headers(
+            request.headers, peer=request.remote, scheme=request.scheme, trusted=state.trusted,
+            upstream_host=None, content_length=length,
+        )
+        upstreams = state.upstreams
+        start = self._next
+        self._next = (start + 1) % len(upstreams)
+        attempts = len(upstreams) if config.retry_connect and method in _IDEMPOTENT and (
+            data is None or isinstance(data, bytes)) else 1
+        loop = asyncio.get_running_loop()
+        for attempt in range(attempts):
+            up = upstreams[(start + attempt) % len(upstreams)]
+            if not config.preserve_host or "Host" not in headers:
+                headers["Host"] = up.host
+            started = loop.time()
+            try:
+                upstream = await self.session.request(
+                    method, URL(up.base + target, encoded=True), headers=headers, data=data,
+                    allow_redirects=False, timeout=state.timeout,
+                )
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                timed_out = isinstance(exc, aiohttp.ConnectionTimeoutError)
+                self.metrics.upstream_error(up.base, "timeout" if timed_out else "connect")
+                log.warning("upstream %s: cannot connect: %.200s%s", up.base, exc,
+                            "; trying the next upstream" if attempt + 1 < attempts else "")
+                if attempt + 1 < attempts:
+                    continue
+                if timed_out:
+                    return self._unread(request, problem(
+                        504, "Gateway Timeout", "connecting to the upstream timed out", request.path))
+                return self._unread(request, problem(502, "Bad Gateway", "the upstream is unreachable", request.path))
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                return self._failed(request, up, exc, failure, config)
+            self.metrics.upstream_latency(up.base, loop.time() - started)
+            try:
+                return await self._relay(request, upstream, extra, up, config)
+            finally:
+                upstream.release()  # back to the pool if the exchange completed, else closed
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _failed(self, request: web.BaseRequest, up: Upstream, exc: BaseException, failure: list[str],
+                config: ProxyConfig) -> web.StreamResponse:
+        """The exchange failed before the response headers arrived."""
+        if "too_large" in failure:
+            return self._unread(request, problem(
+                413, "Content Too Large", f"the body exceeds {config.max_body} bytes", request.path))
+        if "client" in failure:
+            return self._client_gone(request, "while sending its body")
+        if isinstance(exc, asyncio.TimeoutError):
+            self.metrics.upstream_error(up.base, "timeout")
+            log.warning("upstream %s: no response within %.3gs to %s %s", up.base, config.timeout,
+                        request.method, request.path)
+            return self._unread(request, problem(
+                504, "Gateway Timeout", "the upstream did not answer in time", request.path))
+        self.metrics.upstream_error(up.base, "protocol")
+        log.warning("upstream %s: %s %s failed: %s: %.200s", up.base, request.method, request.path,
+                    type(exc).__name__, exc)
+        return self._unread(request, problem(502, "Bad Gateway", "the upstream failed to answer", request.path))
+
+    @staticmethod
+    def _client_gone(request: web.BaseRequest, when: str) -> web.StreamResponse:
+        log.debug("client %s went away %s", request.remote, when)
+        resp = web.Response(status=499)  # never delivered; counted as nginx's "client closed request"
+        resp.force_close()
+        return resp
+
+    async def _relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse,
+                     extra: Iterable[tuple[str, str]], up: Upstream, config: ProxyConfig) -> web.StreamResponse:
+        status = upstream.status
+        resp = web.StreamResponse(status=status, reason=upstream.reason,
+                                  headers=response_headers(upstream.headers, extra))
+        length = upstream.content_length
+        if request.method == "HEAD" or status in _NO_BODY_STATUS or status < 200:
+            await resp.prepare(request)
+            return resp
+        if length is not None and length <= SMALL_BODY:
+            try:
+                body = await upstream.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                return self._failed(request, up, exc, [], config)
+            try:
+                await resp.prepare(request)
+                await resp.write_eof(body)
+            except ConnectionError:
+                log.debug("client %s went away before the response was sent", request.remote)
+            return resp
+        try:
+            await resp.prepare(request)
+        except ConnectionError:
+            return resp
+        content = upstream.content
+        while True:
+            try:
+                chunk = await content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                self.metrics.upstream_error(up.base, "body_aborted")
+                log.warning("upstream %s: response body of %s %s broke off (%s: %.200s); aborting the client's "
+                            "connection", up.base, request.method, request.path, type(exc).__name__, exc)
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
+            if not chunk:
+                break
+            try:
+                await resp.write(chunk)
+            except ConnectionError:
+                log.debug("client %s went away during the response", request.remote)
+                return resp
+        return resp  # aiohttp writes the end of the response (write_eof)

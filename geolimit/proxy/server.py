@@ -1,0 +1,227 @@
+"""The :class:`Proxy`: listeners, upstream connection pool, decider, reload and graceful stop.
+
+::
+
+    async with Proxy(load_proxy_config("proxy.toml")) as proxy:
+        print(proxy.url, proxy.admin_url)
+
+The proxied listener serves nothing of its own (every path goes upstream). The
+optional admin listener (``admin_listen``) serves ``/metrics`` (Prometheus),
+``/healthz`` (200 while the process runs) and ``/readyz`` (200 once started,
+503 while stopping). Readiness does not depend on Redis or the agent: the
+limits' ``on_error`` policies decide what happens without them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import fields
+
+import aiohttp
+from aiohttp import web
+
+from geolimit.async_limiter import AsyncLimiter
+from geolimit.errors import ConfigError, GeolimitError, StorageError
+from geolimit.http.agent_client import AgentClient
+from geolimit.http.guard import Guard
+from geolimit.http.keys import trusted_networks
+from geolimit.proxy.config import ProxyConfig
+from geolimit.proxy.decider import ProxyDecider
+from geolimit.proxy.handler import Forwarder, State, upstream_for
+from geolimit.proxy.metrics import CONTENT_TYPE, ProxyMetrics
+
+__all__ = ["Proxy"]
+
+log = logging.getLogger("geolimit.proxy")
+
+#: Settings a reload cannot change (reported, not applied).
+_RESTART = ("listen", "admin_listen", "redis_url", "agent_url", "agent_token", "region", "key_prefix", "shards",
+            "decision_timeout", "log_format", "log_level")
+#: Request headers aiohttp's client would add on its own: the proxy sends only the client's.
+_SKIP_AUTO = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+
+
+def _state(config: ProxyConfig, decider: ProxyDecider) -> State:
+    return State(
+        config=config,
+        guard=Guard(decider, config.routes, config.trusted_proxies),
+        trusted=trusted_networks(config.trusted_proxies),
+        upstreams=tuple(upstream_for(u) for u in config.upstreams),
+        timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=config.connect_timeout,
+                                      sock_read=config.timeout),
+        checked_costs=frozenset(
+            id(p) for p in config.routes if any(not isinstance(limit.cost.spec, int) for limit in p.limits)),
+    )
+
+
+class Proxy:
+    """A rate-limiting reverse proxy (see the package docstring)."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.metrics = ProxyMetrics()
+        self.decider: ProxyDecider | None = None
+        self.forwarder: Forwarder | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._runners: list[web.BaseRunner] = []
+        self._addresses: list[tuple[str, int]] = []
+        self._ready = False
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect the decider and bind the listener(s).
+
+        A rule whose window disagrees with the region's Redis is a ConfigError; an
+        unreachable Redis or agent is not (the limits fail open or closed).
+        """
+        cfg = self.config
+        if cfg.redis_url is not None:
+            assert cfg.region is not None
+            limiter = AsyncLimiter.from_url(
+                cfg.redis_url, region=cfg.region, rules=cfg.rules, prefix=cfg.key_prefix, shards=cfg.shards,
+                on_error="raise", timeout=cfg.decision_timeout,
+            )
+            self.decider = ProxyDecider(limiter)
+            try:
+                await limiter.verify_rules(cfg.rules)
+            except StorageError as exc:
+                log.warning("proxy: cannot verify the rules against Redis now (%s); limits fail open or "
+                            "closed until it answers", exc)
+            except ConfigError:
+                await self._close()
+                raise
+        else:
+            assert cfg.agent_url is not None
+            self.decider = ProxyDecider(AgentClient(cfg.agent_url, cfg.agent_token, cfg.decision_timeout))
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=10),
+            cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to another
+            auto_decompress=False, skip_auto_headers=_SKIP_AUTO, trust_env=False,
+        )
+        self.forwarder = Forwarder(_state(cfg, self.decider), self._session, self.metrics)
+        # handler_cancellation: a client that goes away cancels its upstream exchange at once.
+        server = web.Server(self.forwarder, access_log=None, handler_cancellation=True)
+        runners: list[tuple[web.BaseRunner, tuple[str, int]]] = [
+            (web.ServerRunner(server, handle_signals=False, shutdown_timeout=cfg.shutdown_timeout), cfg.listen)]
+        if cfg.admin_listen is not None:
+            runners.append((web.AppRunner(self._admin_app(), access_log=None, handle_signals=False),
+                            cfg.admin_listen))
+        try:
+            for runner, (host, port) in runners:
+                await runner.setup()
+                self._runners.append(runner)
+                site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
+                await site.start()
+                sock = site._server.sockets[0]  # type: ignore[union-attr]
+                self._addresses.append(sock.getsockname()[:2])
+        except OSError as exc:
+            await self._close()
+            raise GeolimitError(f"proxy: cannot listen: {exc}") from exc
+        self._ready = True
+        mode = f"Redis {cfg.redis_url} as region {cfg.region}" if cfg.redis_url else f"agent {cfg.agent_url}"
+        log.info("proxy listening on %s (admin: %s; upstreams: %s; decisions: %s; %d routes)", self.url,
+                 self.admin_url or "none", ", ".join(cfg.upstreams), mode, len(cfg.routes))
+
+    async def stop(self) -> None:
+        """Stop accepting; in-flight requests get ``shutdown_timeout`` seconds to finish."""
+        self._ready = False
+        await self._close()
+
+    async def _close(self) -> None:
+        self._ready = False
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self.decider is not None:
+            await self.decider.close()
+            self.decider = None
+
+    async def __aenter__(self) -> Proxy:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- reload ---------------------------------------------------------------------
+
+    async def reload(self, config: ProxyConfig) -> str:
+        """Apply a re-read configuration's routes, rules, upstreams and options.
+
+        Validated first: in library mode, new or restructured rules are checked
+        against Redis (a disagreement, or a Redis that cannot be asked, refuses the
+        reload and keeps everything as it was). Settings in ``_RESTART`` are
+        reported, not applied. Requests in flight finish with the old settings.
+        """
+        if self.forwarder is None or self.decider is None:
+            raise GeolimitError("the proxy is not started")
+        old = self.config
+        if (config.redis_url is None) != (old.redis_url is None):
+            raise ConfigError("switching between library mode (redis_url) and agent mode (agent_url) needs a restart")
+        inner = self.decider.inner
+        if isinstance(inner, AsyncLimiter):
+            known = {r.name: r.structure for r in old.rules}
+            changed = [r for r in config.rules if known.get(r.name) != r.structure]
+            if changed:
+                await inner.verify_rules(changed)
+        kept = {f.name: getattr(old, f.name) for f in fields(ProxyConfig) if f.name in _RESTART}
+        restart = [name for name, value in kept.items() if getattr(config, name) != value]
+        if restart:
+            log.warning("proxy: changes to %s need a restart; they were not applied", ", ".join(restart))
+        config = ProxyConfig(**{f.name: getattr(config, f.name) for f in fields(ProxyConfig)} | kept)
+        if isinstance(inner, AsyncLimiter):
+            inner.set_rules(config.rules)
+        self.forwarder.state = _state(config, self.decider)
+        self.config = config
+        before, after = {r.name: r for r in old.rules}, {r.name: r for r in config.rules}
+        summary = [f"+{n}" for n in after if n not in before] + [f"-{n}" for n in before if n not in after]
+        summary += [f"~{n}" for n in after if n in before and after[n] != before[n]]
+        summary.append(f"{len(config.routes)} routes")
+        return " ".join(summary)
+
+    # -- admin --------------------------------------------------------------------------
+
+    def _admin_app(self) -> web.Application:
+        app = web.Application()
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+        async def healthz(_: web.Request) -> web.Response:
+            return web.json_response({"ok": True})
+
+        async def readyz(_: web.Request) -> web.Response:
+            return web.Response(status=200 if self._ready else 503, content_type="application/json",
+                                text=json.dumps({"ready": self._ready}))
+
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/healthz", healthz)
+        app.router.add_get("/readyz", readyz)
+        return app
+
+    # -- introspection ------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The proxied listener's URL (``http://host:port``)."""
+        if not self._addresses:
+            raise GeolimitError("the proxy is not started")
+        return _url(self._addresses[0])
+
+    @property
+    def admin_url(self) -> str | None:
+        return _url(self._addresses[1]) if len(self._addresses) > 1 else None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+
+def _url(address: tuple[str, int]) -> str:
+    host, port = address
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
