@@ -24,14 +24,19 @@ Untrusted peers cannot spoof their address with these headers.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from geolimit.core.keys import MAX_SUBJECT_BYTES
 from geolimit.errors import ConfigError
 
-__all__ = ["CostSpec", "KeySpec", "RequestInfo", "Route", "client_address", "parse_forwarded", "trusted_networks"]
+__all__ = [
+    "CostSpec", "KeySpec", "RequestInfo", "Route", "bounded_subject", "client_address", "parse_forwarded",
+    "trusted_networks",
+]
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -218,3 +223,24 @@ class Route:
             return None
         found = self.pattern.match(path)
         return None if found is None else found.groupdict()
+
+
+def bounded_subject(subject: str | bytes) -> str | bytes:
+    """``subject``, or ``"sha256:<hex>"`` of its bytes when it is too long for the limiter.
+
+    A huge key header (an API key of 5 kB) still gets a stable bucket of its own.
+    Header bytes that are not UTF-8 (kept by aiohttp as surrogates) are used raw.
+    """
+    if isinstance(subject, str):
+        if subject.isascii() and len(subject) <= MAX_SUBJECT_BYTES:
+            return subject
+        try:
+            raw = subject.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = subject.encode("utf-8", "surrogateescape")
+            subject = raw
+    else:
+        raw = subject
+    if len(raw) > MAX_SUBJECT_BYTES:
+        return "sha256:" + hashlib.sha256(raw).hexdigest()
+    return subject

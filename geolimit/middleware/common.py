@@ -20,18 +20,16 @@ Both middlewares decide a request with a :class:`~geolimit.http.guard.Guard`
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from geolimit.core.decision import Decision
-from geolimit.core.keys import MAX_SUBJECT_BYTES
 from geolimit.errors import RequestError
 from geolimit.http.guard import Decider, Guard, LimitSpec, RoutePolicy, Verdict
 from geolimit.http.headers import PROBLEM_TYPE, problem_body
-from geolimit.http.keys import CostSpec, KeySpec, RequestInfo, Route
+from geolimit.http.keys import CostSpec, KeySpec, RequestInfo, Route, bounded_subject
 from geolimit.limiter import Limiter
 
 __all__ = [
@@ -45,24 +43,6 @@ __all__ = [
     "policy",
     "request_info",
 ]
-
-
-def bounded_subject(subject: str | bytes) -> str | bytes:
-    """``subject``, or ``"sha256:<hex>"`` of its bytes when it is too long for the limiter.
-
-    A huge key header (an API key of 5 kB) still gets a stable bucket of its own;
-    the same rule as the reverse proxy's.
-    """
-    if isinstance(subject, str):
-        if len(subject) * 4 <= MAX_SUBJECT_BYTES:  # fits whatever the characters
-            return subject
-        try:
-            raw = subject.encode("utf-8", "surrogateescape")
-        except UnicodeEncodeError:
-            raw = subject.encode("utf-8", "surrogatepass")
-    else:
-        raw = subject
-    return "sha256:" + hashlib.sha256(raw).hexdigest() if len(raw) > MAX_SUBJECT_BYTES else subject
 
 
 class BoundedDecider:

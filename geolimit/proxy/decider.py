@@ -9,36 +9,19 @@ values that are not UTF-8 are used as their raw bytes.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.core.decision import Decision
-from geolimit.core.keys import MAX_SUBJECT_BYTES
 from geolimit.errors import GeolimitError, RequestError, StorageError
 from geolimit.http.agent_client import AgentClient
+from geolimit.http.keys import bounded_subject
 from geolimit.store.protocol import MAX_COST
 
 __all__ = ["ProxyDecider"]
 
 log = logging.getLogger("geolimit.proxy")
-
-
-def _subject(subject: str | bytes) -> str | bytes:
-    if isinstance(subject, str):
-        if subject.isascii() and len(subject) <= MAX_SUBJECT_BYTES:
-            return subject
-        try:
-            raw = subject.encode("utf-8")
-        except UnicodeEncodeError:  # aiohttp keeps undecodable header bytes as surrogates
-            raw = subject.encode("utf-8", "surrogateescape")
-            subject = raw
-    else:
-        raw = subject
-    if len(raw) > MAX_SUBJECT_BYTES:
-        return "sha256:" + hashlib.sha256(raw).hexdigest()
-    return subject
 
 
 class ProxyDecider:
@@ -52,7 +35,7 @@ class ProxyDecider:
         if cost > MAX_COST:
             raise RequestError(f"cost {cost} is above the maximum of {MAX_COST}")
         try:
-            return await self.inner.hit(rules, _subject(subject), cost)
+            return await self.inner.hit(rules, bounded_subject(subject), cost)
         except (StorageError, RequestError):
             raise
         except GeolimitError as exc:
