@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 from geolimit.errors import GeolimitError
 from geolimit.proxy.config import ProxyConfig, load_proxy_config
 from geolimit.proxy.server import Proxy
-from geolimit.server.run import configure_logging
+from geolimit.server.run import configure_logging, process_signals
 
 __all__ = ["run_proxy"]
 
@@ -39,19 +38,7 @@ async def _reload(proxy: Proxy, path: str) -> None:
 
 async def _serve(config: ProxyConfig, path: str) -> int:
     proxy = Proxy(config)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    reloads: set[asyncio.Task[None]] = set()
-
-    def hangup() -> None:
-        task = loop.create_task(_reload(proxy, path))
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, hangup)
-    try:
+    with process_signals(lambda: _reload(proxy, path)) as stop:
         try:
             await proxy.start()
         except (GeolimitError, OSError) as exc:
@@ -66,9 +53,6 @@ async def _serve(config: ProxyConfig, path: str) -> int:
             return 1
         log.info("proxy: stopped")
         return 0
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
 
 
 def run_proxy(config_path: str) -> int:

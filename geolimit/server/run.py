@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
 import ssl
 import sys
 import time
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
 
 from geolimit.errors import ConfigError, GeolimitError
 from geolimit.server.agent import Agent
 from geolimit.server.config import AgentConfig, load_config
 
-__all__ = ["JsonFormatter", "configure_logging", "run_agent"]
+__all__ = ["JsonFormatter", "configure_logging", "process_signals", "run_agent"]
 
 log = logging.getLogger("geolimit.agent")
 
@@ -70,15 +73,16 @@ async def _reload(agent: Agent, path: str) -> None:
     log.info("agent %s: reloaded %s (%s)", agent.config.region, path, changed or "no rule changes")
 
 
-async def _serve(config: AgentConfig, flush_timeout: float, path: str | None = None) -> int:
-    agent = Agent(config)
-    stop = asyncio.Event()
+@contextlib.contextmanager
+def process_signals(on_hangup: Callable[[], Coroutine[Any, Any, None]] | None) -> Iterator[asyncio.Event]:
+    """SIGTERM/SIGINT set the yielded event; SIGHUP runs ``on_hangup`` (a reload) as a task."""
     loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
     reloads: set[asyncio.Task[None]] = set()
 
     def hangup() -> None:
-        if path is not None:
-            task = loop.create_task(_reload(agent, path))
+        if on_hangup is not None:
+            task = loop.create_task(on_hangup())
             reloads.add(task)
             task.add_done_callback(reloads.discard)
 
@@ -86,10 +90,16 @@ async def _serve(config: AgentConfig, flush_timeout: float, path: str | None = N
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, hangup)
     try:
-        return await _supervise(agent, config, stop, flush_timeout)
+        yield stop
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+
+
+async def _serve(config: AgentConfig, flush_timeout: float, path: str | None = None) -> int:
+    agent = Agent(config)
+    with process_signals(None if path is None else lambda: _reload(agent, path)) as stop:
+        return await _supervise(agent, config, stop, flush_timeout)
 
 
 async def _supervise(agent: Agent, config: AgentConfig, stop: asyncio.Event, flush_timeout: float) -> int:
