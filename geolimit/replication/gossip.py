@@ -371,13 +371,19 @@ class GossipEngine:
     # -- anti-entropy ---------------------------------------------------------
 
     async def _anti_entropy(self, peer: PeerState) -> None:
+        # Clear the request when the run *starts*: a wipe detected while this run is
+        # in flight asks again, and this run (which read the data before the wipe)
+        # must not swallow that request when it ends.
+        peer.ae_needed = False
+        ok = False
         try:
             ok = await self.anti_entropy(peer.name)
         finally:
             peer.ae_running = False
+            if not ok:
+                peer.ae_needed = True
         peer.ae_concluded = True
         if ok:
-            peer.ae_needed = False
             peer.ae_ok += 1
             peer.ae_due = self.clock() + self.settings.anti_entropy_interval * self._rng.uniform(0.8, 1.2)
 
