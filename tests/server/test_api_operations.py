@@ -156,7 +156,7 @@ async def test_gossip_between_agents_is_unaffected_by_api_tokens(
 ) -> None:
     token = secrets.token_urlsafe(24)
     auth = {"Authorization": f"Bearer {token}"}
-    async with Regions(redis_server_factory, ["a", "b"], [Rule("api", 5, 10, 1)], interval=0.05,
+    async with Regions(redis_server_factory, ["a", "b"], [Rule("api", 5, 10, 1, predict=False)], interval=0.05,
                        api_token=token) as rs:
         a, b = rs["a"].agent, rs["b"].agent
         assert (await check(session, a, U | {"cost": 2}, headers=auth))[0] == 200
