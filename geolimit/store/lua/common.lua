@@ -65,9 +65,9 @@ end
 -- for buckets newer than c), head (nil for a new key), own (raw value of this
 -- region's field for bucket c), stale (fields of buckets that have left the
 -- window, deleted by the next write) and firsts[0..N] (earliest first-admission
--- offset of each bucket, in 64ths). With per_slot, also slot index ->
+-- offset of each bucket, in 64ths; only with approx). With per_slot, also slot index ->
 -- {count in the window, count in buckets c-1 and c} (floors applied).
-local function load_window(key, c, N, M, per_slot)
+local function load_window(key, c, N, M, per_slot, approx)
   local flat = call('HGETALL', key)
   local n = #flat
   local sums = {}
@@ -97,16 +97,18 @@ local function load_window(key, c, N, M, per_slot)
         floors[raw] = count_of(tonumber(flat[i + 1]))
       else
         local raw_v = tonumber(flat[i + 1])
-        local v = count_of(raw_v)
+        local v = (raw_v - raw_v % SUB) / SUB
         local d = c - b
         if d < 0 then
           futs = futs or {}
           futs[b] = (futs[b] or 0) + v
         elseif d <= N then
           sums[d] = sums[d] + v
-          local first = raw_v % SUB
-          if first < firsts[d] then firsts[d] = first end
-          if slots then
+          if approx then
+            local first = raw_v % SUB
+            if first < firsts[d] then firsts[d] = first end
+          end
+          if slots and f >= M then  -- remote slots only (index 0 is this region's own)
             local s = (f - f % M) / M
             local t = slots[s]
             if not t then t = {0, 0, 0} slots[s] = t end
@@ -135,7 +137,7 @@ local function load_window(key, c, N, M, per_slot)
               futs[b] = futs[b] - sub
             elseif d <= N then
               sums[d] = sums[d] - sub
-              if slots then
+              if slots and f >= M then
                 local t = slots[(f - f % M) / M]
                 t[1] = t[1] - sub
                 if d <= 1 then t[2] = t[2] - sub end
@@ -152,10 +154,7 @@ end
 
 -- Does a key hold counts of any slot but this region's current one?
 local function has_remote(slots)
-  for s in pairs(slots) do
-    if s ~= 0 then return true end
-  end
-  return false
+  return next(slots) ~= nil
 end
 
 -- What this region knows of its peers, for prediction and partition policies:

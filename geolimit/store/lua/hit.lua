@@ -21,15 +21,24 @@ for _ = 1, tonumber(ARGV[4]) do
     local partition = tonumber(ARGV[ai + 7])
     local c = bucket(now, res)
     local watch = predict or partition > 0
-    local sums, futs, h, own, stale, slots, firsts = load_window(KEYS[ki + j - 1], c, N, M, watch)
+    local sums, futs, h, own, stale, slots, firsts = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
     local reserve, closed = 0, false
     if watch and (partition > 0 or has_remote(slots)) then
       info = info or load_peers(reg, peers)
       reserve, closed = reservation(info, slots or {}, region, limit, res, now, predict, partition, tonumber(ARGV[ai + 8]))
     end
-    if closed or not admits(sums, futs, firsts, N, now, cost, limit, res, approx, reserve) then res_all = false end
+    -- One rule: evaluate() below answers the same, so skip this pass.
+    if closed or (nr > 1 and not admits(sums, futs, firsts, N, now, cost, limit, res, approx, reserve)) then
+      res_all = false
+    end
     rs[j] = {sums, futs, N, limit, res, approx, c, M, ARGV[ai + 4], h, own, stale, reserve, closed, firsts}
     ai = ai + 9
+  end
+  local single
+  if nr == 1 and res_all then
+    local r = rs[1]
+    single = {evaluate(r[1], r[15], r[2], r[3], now, cost, r[4], r[5], r[6], consume, r[13])}
+    res_all = single[1]
   end
   local consumed = res_all and consume
   if consumed and cost > 0 then
@@ -53,7 +62,12 @@ for _ = 1, tonumber(ARGV[4]) do
   out[#out + 1] = res_all and 1 or 0
   for j = 1, nr do
     local r = rs[j]
-    local ok, used, retry, reset = evaluate(r[1], r[15], r[2], r[3], now, cost, r[4], r[5], r[6], consumed, r[13])
+    local ok, used, retry, reset
+    if single then
+      ok, used, retry, reset = single[1], single[2], single[3], single[4]
+    else
+      ok, used, retry, reset = evaluate(r[1], r[15], r[2], r[3], now, cost, r[4], r[5], r[6], consumed, r[13])
+    end
     if r[14] then
       ok, retry = false, r[5]
     end
