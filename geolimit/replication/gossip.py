@@ -114,7 +114,14 @@ class GossipEngine:
             raise self._failure
         started = self.clock()
         now = started
-        drained = await self.store.drain(int(self.settings.lease_ttl * 1_000_000), self.peer_ages(now))
+        try:
+            drained = await self.store.drain(int(self.settings.lease_ttl * 1_000_000), self.peer_ages(now))
+        except StorageError:
+            # The drain may have taken the changed keys before its reply was lost:
+            # anti-entropy with every peer delivers them.
+            for peer in self.peers.values():
+                peer.ae_needed = True
+            raise
         self._check_incarnations(drained.own_slots)
         self.stats["drained"] += len(drained.cells)
         self.stats["unknown_rule"] += drained.unknown

@@ -38,6 +38,9 @@ __all__ = ["Agent"]
 
 log = logging.getLogger("geolimit.agent")
 
+#: The agent's Redis socket timeout (seconds); apps keep the limiter default (1 s).
+REDIS_TIMEOUT = 5.0
+
 
 class Agent:
     """One region's replication agent and HTTP API."""
@@ -77,6 +80,8 @@ class Agent:
             cfg.redis_url, region=cfg.region, rules=cfg.rules, prefix=cfg.key_prefix, shards=cfg.shards,
             on_error=cfg.on_error,  # type: ignore[arg-type]
             clock=self._decision_clock,
+            # Drains and merges of large batches take longer than one decision.
+            timeout=REDIS_TIMEOUT,
         )
         store = ReplicationStore(
             self.limiter.store, self.limiter.layout, cfg.region, self.limiter.rules,

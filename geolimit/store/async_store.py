@@ -93,12 +93,19 @@ class AsyncRedisStore:
             except NoScriptError as exc:  # pragma: no cover
                 raise StorageError(f"Redis lost script {script.name} right after loading it") from exc
 
-    async def run_many(self, script: LuaScript, calls: list[list[bytes]]) -> list[Any]:
-        """Pipelined on one connection: one round trip for all calls."""
+    async def run_many(self, script: LuaScript, calls: list[list[bytes]], per_trip: int = 8) -> list[Any]:
+        """Pipelined on one connection, ``per_trip`` calls per round trip.
+
+        Redis answers a pipelined batch only once it has run all of it, so long
+        scripts are sent in small groups: each round trip stays well within the
+        socket timeout.
+        """
         if not calls:
             return []
         packed = [pack_command(b"EVALSHA", script.sha, *args) for args in calls]
-        replies = await self._pipeline(packed)
+        replies = []
+        for start in range(0, len(packed), per_trip):
+            replies += await self._pipeline(packed[start : start + per_trip])
         missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
         if missing:
             await self._roundtrip(pack_command(b"SCRIPT", b"LOAD", script.source))
