@@ -60,15 +60,29 @@ for k = 2, #KEYS do
         call('DEL', key)
         h = nil
       else
-        local del = {}
-        for b = h + 1, newh do
-          local p = b % M
-          for s = 0, used - 1 do
-            del[#del + 1] = s * M + p
-            del[#del + 1] = -(s * M + p) - 1
+        -- Clear the ring positions of buckets h+1..newh. Naming every candidate
+        -- field costs (newh - h) * slots * 2 lookups: past the hash's own size it
+        -- is cheaper to list the fields that exist and pick those.
+        local del, span = {}, newh - h
+        if span * used * 2 <= call('HLEN', key) then
+          for b = h + 1, newh do
+            local p = b % M
+            for s = 0, used - 1 do
+              del[#del + 1] = s * M + p
+              del[#del + 1] = -(s * M + p) - 1
+            end
+          end
+        else
+          local names = call('HKEYS', key)
+          for i = 1, #names do
+            local f = tonumber(names[i])
+            if f then
+              if f < 0 then f = -f - 1 end
+              if (f % M - h - 1) % M < span then del[#del + 1] = names[i] end
+            end
           end
         end
-        chunked('HDEL', key, del, 1000)
+        if #del > 0 then chunked('HDEL', key, del, 1000) end
       end
     end
     local target, set = {}, {}
