@@ -346,8 +346,10 @@ class FaultyLink:
         try:
             await self._proxy(name, reader, writer)
         except asyncio.CancelledError:
+            # This is the connection's top-level task (nothing awaits it), so it
+            # ends normally: on Python 3.11, asyncio's own done-callback for a
+            # cancelled connection handler logs a spurious CancelledError traceback.
             writer.transport.abort()
-            raise
         except Exception as exc:  # a bug: never let the handler die quietly
             writer.transport.abort()
             self._crashed(exc)

@@ -230,6 +230,8 @@ async def test_blocked_http_requests_time_out(http_echo: HttpEcho) -> None:
 
 
 async def test_stop_closes_everything(tcp_echo: TcpServer) -> None:
+    loop_errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: loop_errors.append(context))
     link = FaultyLink("127.0.0.1", tcp_echo.port, down=Latency(5.0), name="stoptest")
     with pytest.raises(RuntimeError):
         _ = link.port
@@ -252,6 +254,7 @@ async def test_stop_closes_everything(tcp_echo: TcpServer) -> None:
 
     me = asyncio.current_task()
     await wait_until(lambda: set(asyncio.all_tasks()) == {me}, "every other task to finish")
+    assert loop_errors == []  # no "Exception in callback" tracebacks from cancelled connections
 
 
 class ExplodingRandom(random.Random):
