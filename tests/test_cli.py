@@ -16,6 +16,12 @@ def test_version() -> None:
     assert out.stdout.startswith("geolimit ")
 
 
+def test_python_dash_m_geolimit_is_the_same_command() -> None:
+    out = subprocess.run([sys.executable, "-m", "geolimit", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == _run("--version").stdout
+
+
 def test_try_against_a_real_redis(redis_url: str, redis_client: object) -> None:
     out = _run("try", "--redis", redis_url, "--times", "4", "3/10s", "user:42")
     assert out.returncode == 0, out.stderr
