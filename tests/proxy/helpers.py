@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
 import hashlib
 import json
-import re
-import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -20,6 +15,7 @@ from aiohttp import web
 
 from geolimit.proxy import Proxy
 from tests.server.helpers import dump_toml
+from tests.support.cli_process import CliProcess
 
 __all__ = ["ProxyProcess", "StartProxy", "Upstream", "body_chunks", "dump_toml", "proxy_config", "rss_bytes"]
 
@@ -217,72 +213,15 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-@dataclass
-class ProxyProcess:
+class ProxyProcess(CliProcess):
     """``python -m geolimit.cli proxy --config ...`` with its stderr collected line by line."""
 
-    proc: asyncio.subprocess.Process
-    lines: list[str] = field(default_factory=list)
-    _reader: asyncio.Task[None] | None = None
-
-    @classmethod
-    async def start(cls, config: Path) -> ProxyProcess:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "geolimit.cli", "proxy", "--config", str(config),
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        )
-        self = cls(proc)
-        self._reader = asyncio.ensure_future(self._read())
-        return self
-
-    async def _read(self) -> None:
-        assert self.proc.stderr is not None
-        async for raw in self.proc.stderr:
-            self.lines.append(raw.decode("utf-8", "replace").rstrip("\n"))
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def log(self) -> str:
-        return "\n".join(self.lines)
-
-    async def wait_for_log(self, pattern: str, timeout: float = 20.0, after: int = 0) -> re.Match[str]:
-        """The first log line (from line ``after`` on) matching ``pattern``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.lines[after:]:
-                found = re.search(pattern, line)
-                if found:
-                    return found
-            if self.proc.returncode is not None and self._reader is not None and self._reader.done():
-                break
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"no log line matching {pattern!r} (exit code {self.proc.returncode}); log:\n{self.log}")
+    command = "proxy"
 
     async def urls(self) -> tuple[str, str]:
         """The proxy's and its admin listener's URLs, from the 'listening on' log line."""
         found = await self.wait_for_log(r"listening on (http://[0-9.]+:\d+) \(admin: (http://[0-9.]+:\d+)")
         return found.group(1), found.group(2)
-
-    async def wait(self, timeout: float = 20.0) -> int:
-        try:
-            code = await asyncio.wait_for(self.proc.wait(), timeout)
-        except (TimeoutError, asyncio.TimeoutError):
-            raise AssertionError(f"the proxy did not exit within {timeout}s; log:\n{self.log}") from None
-        if self._reader is not None:
-            await asyncio.wait_for(self._reader, timeout)
-        return code
-
-    async def kill(self) -> None:
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-            await self.proc.wait()
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
 
 
 async def get_json(session: aiohttp.ClientSession, url: str, **kwargs: Any) -> tuple[int, Any]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import re
@@ -14,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import aiohttp
 import pytest
 
 from geolimit.server.agent import Agent
+from tests.support.cli_process import CliProcess
 
 JSON = dict[str, Any]
 
@@ -146,32 +146,10 @@ async def check(session: aiohttp.ClientSession, agent: Agent, body: object, path
 # -- processes ------------------------------------------------------------------
 
 
-@dataclass
-class AgentProcess:
+class AgentProcess(CliProcess):
     """``python -m geolimit.cli agent --config ...`` with its stderr collected line by line."""
 
-    proc: asyncio.subprocess.Process
-    lines: list[str] = field(default_factory=list)
-    _reader: asyncio.Task[None] | None = None
-
-    @classmethod
-    async def start(cls, config: Path, *extra: str) -> AgentProcess:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "geolimit.cli", "agent", "--config", str(config), *extra,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        )
-        self = cls(proc)
-        self._reader = asyncio.ensure_future(self._read())
-        return self
-
-    async def _read(self) -> None:
-        assert self.proc.stderr is not None
-        async for raw in self.proc.stderr:
-            self.lines.append(raw.decode("utf-8", "replace").rstrip("\n"))
-
-    @property
-    def log(self) -> str:
-        return "\n".join(self.lines)
+    command = "agent"
 
     async def url(self, timeout: float = 20.0) -> str:
         """The agent's URL, from its 'listening on' log line."""
@@ -184,24 +162,6 @@ class AgentProcess:
                 break
             await asyncio.sleep(0.02)
         raise AssertionError(f"the agent did not report its URL; exit code {self.proc.returncode}; log:\n{self.log}")
-
-    async def wait(self, timeout: float = 20.0) -> int:
-        try:
-            code = await asyncio.wait_for(self.proc.wait(), timeout)
-        except (TimeoutError, asyncio.TimeoutError):
-            raise AssertionError(f"the agent did not exit within {timeout}s; log:\n{self.log}") from None
-        if self._reader is not None:
-            await asyncio.wait_for(self._reader, timeout)
-        return code
-
-    async def kill(self) -> None:
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-            await self.proc.wait()
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
 
 
 @dataclass(frozen=True)
