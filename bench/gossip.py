@@ -36,7 +36,9 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from geolimit import AsyncLimiter, Rule
+from geolimit.core.keys import KeyLayout
 from geolimit.replication import wire
+from geolimit.replication.redis_io import blobs_from_cells
 from geolimit.server.agent import Agent
 from geolimit.server.config import AgentConfig, PeerConfig
 from geolimit.store.embedded import EmbeddedRedis
@@ -132,8 +134,11 @@ def p6() -> dict[str, Any]:
     bucket = int(time.time())
     subjects = [f"user:{i}".encode() for i in range(5000)]
     cells = [("api", s, bucket - b, "us-east/6b02526ee9728a1b2", 37 + 97 * b, 0) for s in subjects for b in range(3)]
-    body = wire.encode(wire.Message(kind="delta", sender="us-east", rules={"api": API.structure}, cells=cells))
-    key_bytes = sum(len(s) + 1 for s in subjects) + 2 * len(subjects)  # subject + bin header, key entry and rule index
+    # The blobs pack.lua builds (blobs_from_cells writes the same format), in the v2 envelope.
+    blobs = blobs_from_cells(KeyLayout(), cells)
+    body = wire.encode(wire.Message(kind="delta", sender="us-east", dest="eu-west", rules={"api": API.structure},
+                                    shards=64, blobs=blobs))
+    key_bytes = sum(len(s) + 4 + 1 + 1 for s in subjects)  # "api:" + subject, its str header, the cell list's
     per_cell = (len(body) - key_bytes) / len(cells)
     as_json = json.dumps([[c[0], c[1].decode(), c[2], c[3], c[4], c[5]] for c in cells]).encode()
     return {"cells": len(cells), "keys": len(subjects), "bytes": len(body), "per_cell_bytes": per_cell,
@@ -231,7 +236,7 @@ async def p8(quick: bool) -> dict[str, Any]:
                 theirs = await remote_usage(http, b_url, probe)
                 if mine != theirs:
                     raise RuntimeError(f"{probe}: a sees {mine}, b sees {theirs}; peer state: {peer}")
-        outbox_left = len(peer.outbox) if peer else -1
+        outbox_left = peer.queued if peer else -1
         errors = peer.errors if peer else -1
         client = redis.Redis.from_url(server_b.url)
         t0 = time.perf_counter()

@@ -16,7 +16,7 @@ from geolimit.core.decision import Decision, degraded_decision
 from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout, encode_subject
 from geolimit.core.rule import Rule
 from geolimit.errors import ConfigError, RequestError, StorageError, UnknownRuleError
-from geolimit.store.protocol import HitRequest, RequestBuilder, RulePlan, validate_cost
+from geolimit.store.protocol import MAX_COST, HitRequest, RequestBuilder, RulePlan, validate_cost
 
 __all__ = ["LimiterBase", "OnError", "RuleSpec", "validate_region"]
 
@@ -124,7 +124,7 @@ class LimiterBase:
                 data = encode_subject(data)  # raises the descriptive error
         else:
             data = encode_subject(subject)
-        if type(cost) is not int or not 0 <= cost < 2**50:
+        if type(cost) is not int or not 0 <= cost <= MAX_COST:
             validate_cost(cost)
         return self._builder.build(plans, data, cost, consume)
 

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from geolimit.core.window import MAX_COUNT
 from geolimit.errors import ConfigError
 
 __all__ = ["MAX_BUCKETS", "MAX_CLOCK_SKEW", "Mode", "Partition", "Rule", "parse_duration", "parse_rate"]
@@ -144,10 +145,10 @@ class Rule:
             raise ConfigError(
                 f"invalid rule name {self.name!r}: use 1-64 characters from A-Z a-z 0-9 _ . -"
             )
-        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 0:
-            raise ConfigError(f"rule {self.name!r}: limit must be an integer >= 0, got {self.limit!r}")
-        if self.limit >= 2**50:
-            raise ConfigError(f"rule {self.name!r}: limit {self.limit} is too large (max 2**50)")
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or not 0 <= self.limit <= MAX_COUNT:
+            raise ConfigError(
+                f"rule {self.name!r}: limit must be an integer from 0 to 2**46 ({MAX_COUNT}), got {self.limit!r}"
+            )
         if self.mode not in ("strict", "approximate"):
             raise ConfigError(
                 f"rule {self.name!r}: mode must be 'strict' or 'approximate', got {self.mode!r}"

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from geolimit.core.gcounter import parse_slot_id
 from geolimit.core.rule import Rule
-from geolimit.core.window import bucket_of, count_of, read_key
+from geolimit.core.window import bucket_of, count_of, parse_stored_int, read_key
 
 __all__ = ["Usage", "slot_names", "summarize"]
 
@@ -24,6 +24,9 @@ class Usage:
     remaining: int
     by_region: dict[str, int] = field(default_factory=dict)
     by_slot: dict[str, int] = field(default_factory=dict)
+    #: Fields of the key ignored because their name or value was not a valid
+    #: number (see :func:`geolimit.core.window.read_key`); not part of ``as_dict``.
+    bad: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -39,12 +42,18 @@ class Usage:
 
 
 def slot_names(registry: Mapping[bytes, bytes]) -> dict[int, str]:
-    """Slot index -> slot id (``region/incarnation``) from a shard's registry hash."""
+    """Slot index -> slot id (``region/incarnation``) from a shard's registry hash.
+
+    Entries whose index is not a valid non-negative number are skipped (their
+    slot then reads as unknown), never raised on.
+    """
     names: dict[int, str] = {}
     for name, index in registry.items():
         if name in (b"@", b"#") or b"/" not in name:
             continue
-        names[int(index)] = name.decode("utf-8", "backslashreplace")
+        slot = parse_stored_int(index)
+        if slot is not None:
+            names[slot] = name.decode("utf-8", "backslashreplace")
     return names
 
 
@@ -78,4 +87,5 @@ def summarize(
         remaining=max(0, rule.limit - total),
         by_region=by_region,
         by_slot=by_slot,
+        bad=view.bad,
     )

@@ -20,16 +20,27 @@ the cell's first admission within its bucket, in ``1/SUBSTEPS`` of the bucket.
 It only grows (the count grows, ``first`` never changes), so max-merge still
 works; approximate mode uses it to know where in the oldest bucket traffic
 began. A slot's effective count is ``max(0, count(value) - count(floor))``.
+
+Lua numbers are doubles, so a stored value must stay below ``2**53``: limits
+and costs are capped at :data:`MAX_COUNT` (``2**46``), which keeps
+``count * SUBSTEPS + first`` of a cell within :data:`MAX_CELL_VALUE` (hits after
+a reset add on top of the floored value, so only repeated resets and refills of
+a huge limit within one bucket could pass it). The scripts write every number
+as a ``%d``-formatted string; :func:`read_key` still tolerates anything else it
+finds (see :func:`parse_stored_int`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "HEAD_FIELD",
+    "MAX_CELL_VALUE",
+    "MAX_COUNT",
     "SUBSTEPS",
     "Evaluation",
     "KeyView",
@@ -39,6 +50,7 @@ __all__ = [
     "evaluate",
     "field_of",
     "floor_field_of",
+    "parse_stored_int",
     "read_key",
     "split_field",
     "window_sums",
@@ -46,6 +58,39 @@ __all__ = [
 
 HEAD_FIELD = "h"
 SUBSTEPS = 64
+#: The largest limit and the largest cost of one request (both inclusive): the
+#: units a cell gains between resets never exceed it, so ``count * SUBSTEPS +
+#: first`` stays exact in a Lua double.
+MAX_COUNT = 2**46
+#: The largest number a hash may hold and still be read exactly by Lua (2**53 - 1).
+MAX_CELL_VALUE = 2**53 - 1
+
+_INTEGER_RE = re.compile(rb"-?[0-9]{1,20}")
+_FLOAT_RE = re.compile(rb"-?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})(?:[eE][+-]?[0-9]{1,3})?")
+
+
+def parse_stored_int(raw: bytes | str, *, signed: bool = False) -> int | None:
+    """A number read from a Redis hash, or ``None`` if it is not a usable one.
+
+    Accepts a plain integer, or a float-formatted integral number such as
+    ``b"6.4e+09"`` (what Redis 7.2.0-7.2.4 made of round Lua numbers), with an
+    absolute value of at most :data:`MAX_CELL_VALUE`. Negative numbers only with
+    ``signed`` (field names of reset floors). Anything else (garbage, NaN, a
+    fraction, a value past what a Lua double holds exactly) is ``None``.
+    """
+    data = raw.encode("ascii", "replace") if isinstance(raw, str) else bytes(raw)
+    if _INTEGER_RE.fullmatch(data):
+        value = int(data)
+    elif _FLOAT_RE.fullmatch(data):
+        number = float(data)
+        if not math.isfinite(number) or not number.is_integer() or abs(number) > MAX_CELL_VALUE:
+            return None
+        value = int(number)
+    else:
+        return None
+    if abs(value) > MAX_CELL_VALUE or (value < 0 and not signed):
+        return None
+    return value
 
 
 def count_of(value: int) -> int:
@@ -230,6 +275,7 @@ class KeyView:
     stale: list[bytes]
     cells: dict[tuple[int, int], tuple[int, int]]  # (slot index, bucket) -> raw (value, floor)
     firsts: list[int]  # earliest first-admission offset per bucket of the window
+    bad: int = 0  # fields ignored because their name or value is not a valid number
 
 
 def read_key(
@@ -238,27 +284,41 @@ def read_key(
     """Interpret a key's raw ``HGETALL`` relative to bucket ``current``.
 
     Same result as the Lua ``load_window``, plus every live cell by slot index.
+    Fields whose name or value is not a valid stored number (see
+    :func:`parse_stored_int`) are ignored as if absent and counted in ``bad``; an
+    unreadable head counts as no head.
     """
     sums = [0] * (buckets + 1)
     firsts = [SUBSTEPS] * (buckets + 1)
     if not fields:
         return KeyView(sums, {}, None, 0, [], {}, firsts)
+    bad = 0
     raw_head = fields.get(b"h")
-    head = int(raw_head) if raw_head is not None else current
+    parsed_head = None if raw_head is None else parse_stored_int(raw_head)
+    if raw_head is not None and parsed_head is None:
+        bad += 1
+    head = current if parsed_head is None else parsed_head
     values: dict[int, int] = {}
     floors: dict[int, int] = {}
     stale: list[bytes] = []
     for name, raw in fields.items():
         if name == b"h":
             continue
-        f = int(name)
+        f = parse_stored_int(name, signed=True)
+        if f is None:
+            bad += 1
+            continue
         base = -f - 1 if f < 0 else f
         if bucket_at(base % ring, head, ring) < current - buckets:
             stale.append(name)
+            continue
+        value = parse_stored_int(raw)
+        if value is None:
+            bad += 1
         elif f < 0:
-            floors[base] = int(raw)
+            floors[base] = value
         else:
-            values[base] = int(raw)
+            values[base] = value
     future: dict[int, int] = {}
     cells: dict[tuple[int, int], tuple[int, int]] = {}
     own = values.get(current % ring, 0)
@@ -276,4 +336,4 @@ def read_key(
         elif delta <= buckets:
             sums[delta] += eff
             firsts[delta] = min(firsts[delta], value % SUBSTEPS)
-    return KeyView(sums, future, None if raw_head is None else head, own, stale, cells, firsts)
+    return KeyView(sums, future, parsed_head, own, stale, cells, firsts, bad)

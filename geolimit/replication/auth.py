@@ -1,38 +1,76 @@
-"""Gossip authentication: HMAC-SHA256 with a timestamp and a per-sender sequence.
+"""Gossip authentication: HMAC-SHA256 over sender, destination, time and sequence.
 
 Every request carries four headers::
 
     X-Geolimit-Region     sender region name
     X-Geolimit-Time       sender clock, seconds since the epoch (decimal)
     X-Geolimit-Seq        sender sequence number (strictly increasing, also across restarts)
-    X-Geolimit-Signature  hex HMAC-SHA256(secret, "geolimit/1\\n" region "\\n" time "\\n" seq "\\n" body)
+    X-Geolimit-Signature  hex HMAC-SHA256(secret,
+                              "geolimit/2\\n" sender "\\n" destination "\\n" time "\\n" seq "\\n" body)
 
-A request is refused (401) when a header is missing, the sender is not a
-configured peer, the time is more than ``window`` seconds off, the signature is
-wrong, or the (sender, seq) pair was already accepted. Responses are signed the
-same way with the request's sequence number, so a forged acknowledgement cannot
-make a sender drop cells.
+The destination is not sent: each verifier checks the signature as addressed
+to its own region, so a message captured on its way to region B is refused by
+region C ("bad signature (or addressed to another region)": the two cannot be
+told apart).
+
+A request is refused (:class:`~geolimit.errors.AuthenticationError`) when a
+header is missing, the sender is not a configured peer, the time is more than
+``window`` seconds off, the signature is wrong (or made for another region), or
+the (sender, seq) pair was already accepted, as recorded by a
+:class:`~geolimit.replication.replay.ReplayGuard` (in memory, or in Redis so
+that it survives restarts). Responses are signed by the responder for the
+requester with the request's sequence number, so a forged acknowledgement
+cannot make a sender drop cells.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import time
 from collections.abc import Callable, Collection, Mapping
+from typing import NamedTuple
 
 from geolimit.errors import AuthenticationError
+from geolimit.replication.replay import MemoryReplayGuard, ReplayGuard
 
-__all__ = ["HEADERS", "ReplayGuard", "Signer", "Verifier", "sign"]
+__all__ = [
+    "HEADERS",
+    "MIN_SECRET_BYTES",
+    "REGION",
+    "SEQ",
+    "SIGNATURE",
+    "TIME",
+    "ReplayGuard",
+    "Signer",
+    "Verifier",
+    "sign",
+]
 
 REGION, TIME, SEQ, SIGNATURE = "X-Geolimit-Region", "X-Geolimit-Time", "X-Geolimit-Seq", "X-Geolimit-Signature"
 HEADERS = (REGION, TIME, SEQ, SIGNATURE)
 MIN_SECRET_BYTES = 16
 
+# Strict forms: the signed string is split by newlines, so no field may carry one.
+_STAMP_RE = re.compile(r"-?[0-9]{1,12}(?:\.[0-9]{1,9})?")
+_SEQ_RE = re.compile(r"[0-9]{1,20}")
 
-def sign(secret: bytes, region: str, stamp: str, seq: str, body: bytes) -> str:
-    mac = hmac.new(secret, b"geolimit/1\n", hashlib.sha256)
-    mac.update(f"{region}\n{stamp}\n{seq}\n".encode())
+
+def _region_name(region: str, what: str) -> str:
+    if not isinstance(region, str) or not region or "\n" in region:
+        raise ValueError(f"{what} must be a non-empty region name without newlines, got {region!r}")
+    return region
+
+
+def sign(secret: bytes, region: str, dest: str, stamp: str, seq: str, body: bytes, response: bool = False) -> str:
+    """Hex HMAC-SHA256 of a message from ``region`` to ``dest``.
+
+    Requests and responses are signed under different labels, so a captured
+    response can never pass as a request (and the other way round).
+    """
+    mac = hmac.new(secret, b"geolimit/2 response\n" if response else b"geolimit/2\n", hashlib.sha256)
+    mac.update(f"{region}\n{dest}\n{stamp}\n{seq}\n".encode())
     mac.update(body)
     return mac.hexdigest()
 
@@ -44,7 +82,7 @@ class Signer:
         if len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"the gossip secret must be at least {MIN_SECRET_BYTES} bytes")
         self._secret = secret
-        self.region = region
+        self.region = _region_name(region, "region")
         self._clock = clock
         self._seq = 0
 
@@ -53,79 +91,113 @@ class Signer:
         self._seq = max(self._seq + 1, int(self._clock() * 1_000_000))
         return self._seq
 
-    def headers(self, body: bytes, seq: int | None = None) -> dict[str, str]:
+    def headers(self, body: bytes, dest: str, seq: int | None = None, *, response: bool = False) -> dict[str, str]:
+        """Headers of a message to region ``dest``.
+
+        Requests take a fresh sequence number; a response passes ``response=True``,
+        the request's ``seq`` and the requester as ``dest``.
+        """
+        _region_name(dest, "dest")
         seq_s = str(self.next_seq() if seq is None else seq)
         stamp = f"{self._clock():.6f}"
         return {
             REGION: self.region,
             TIME: stamp,
             SEQ: seq_s,
-            SIGNATURE: sign(self._secret, self.region, stamp, seq_s, body),
+            SIGNATURE: sign(self._secret, self.region, dest, stamp, seq_s, body, response=response),
         }
 
     def __repr__(self) -> str:
         return f"Signer(region={self.region!r}, secret=<redacted>)"
 
 
-class ReplayGuard:
-    """Remembers accepted (sender, seq) pairs for as long as their time is acceptable."""
+class Authenticated(NamedTuple):
+    """A request whose signature checked out (not yet checked for replay)."""
 
-    def __init__(self, window: float) -> None:
-        self.window = window
-        self._seen: dict[str, dict[int, float]] = {}
-
-    def check_and_record(self, sender: str, seq: int, stamp: float, now: float) -> bool:
-        seen = self._seen.setdefault(sender, {})
-        if len(seen) > 256:
-            horizon = now - self.window - 1.0
-            for old in [s for s, t in seen.items() if t < horizon]:
-                del seen[old]
-        if seq in seen:
-            return False
-        seen[seq] = stamp
-        return True
+    sender: str
+    stamp: float
+    seq: int
+    now: float
 
 
 class Verifier:
-    """Checks requests from peers (and, with ``expect_seq``, their responses)."""
+    """Checks requests addressed to ``own_region`` by its peers, and the responses it receives."""
 
     def __init__(
         self,
         secret: bytes,
         peers: Collection[str],
+        own_region: str,
         window: float = 30.0,
         clock: Callable[[], float] = time.time,
+        guard: ReplayGuard | None = None,
     ) -> None:
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"the gossip secret must be at least {MIN_SECRET_BYTES} bytes")
+        if not window > 0:
+            raise ValueError(f"the auth window must be positive, got {window!r}")
         self._secret = secret
         self._peers = frozenset(peers)
+        self.own_region = _region_name(own_region, "own_region")
         self.window = window
         self._clock = clock
-        self._guard = ReplayGuard(window)
+        self.guard: ReplayGuard = MemoryReplayGuard(window) if guard is None else guard
 
-    def verify(self, headers: Mapping[str, str], body: bytes, expect_seq: int | None = None) -> str:
-        """The sender's region, or :class:`AuthenticationError` with the reason."""
+    def _check(
+        self, headers: Mapping[str, str], body: bytes, sender: str | None
+    ) -> tuple[str, float, int, float]:
+        """Headers, sender, time and signature; returns (sender, its time, seq, now)."""
         region, stamp, seq_s, signature = (headers.get(h) for h in HEADERS)
         if not (region and stamp and seq_s and signature):
             raise AuthenticationError("unsigned message: X-Geolimit-* headers missing")
-        if region not in self._peers:
-            raise AuthenticationError(f"message from unknown region {region[:64]!r}")
-        try:
-            when = float(stamp)
-            seq = int(seq_s)
-        except ValueError:
-            raise AuthenticationError("malformed X-Geolimit-Time or X-Geolimit-Seq") from None
+        if sender is None:
+            if region not in self._peers:
+                raise AuthenticationError(f"message from unknown region {region[:64]!r}")
+        elif region != sender:
+            raise AuthenticationError(f"response from {region[:64]!r}, but the request went to {sender!r}")
+        if not (_STAMP_RE.fullmatch(stamp) and _SEQ_RE.fullmatch(seq_s)):
+            raise AuthenticationError("malformed X-Geolimit-Time or X-Geolimit-Seq")
+        when, seq = float(stamp), int(seq_s)
         now = self._clock()
         if not abs(now - when) <= self.window:
             raise AuthenticationError(f"message time is {now - when:+.1f}s off (allowed ±{self.window:g}s)")
-        expected = sign(self._secret, region, stamp, seq_s, body)
+        expected = sign(self._secret, region, self.own_region, stamp, seq_s, body, response=sender is not None)
         if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace")):
-            raise AuthenticationError("bad signature")
-        if expect_seq is not None:
-            if seq != expect_seq:
-                raise AuthenticationError("response is for another request")
-        elif not self._guard.check_and_record(region, seq, when, now):
+            raise AuthenticationError("bad signature (or addressed to another region)")
+        return region, when, seq, now
+
+    def authenticate(self, headers: Mapping[str, str], body: bytes) -> Authenticated:
+        """Every check but the replay guard: headers, sender, time and signature.
+
+        Callers that must leave Redis untouched by a message they later refuse
+        (a body that does not decode) call :meth:`check_replay` only once it passed.
+        """
+        return Authenticated(*self._check(headers, body, None))
+
+    async def check_replay(self, auth: Authenticated) -> str:
+        """Record the message's (sender, seq); :class:`AuthenticationError` for a replay."""
+        if not await self.guard.check_and_record(auth.sender, auth.seq, auth.stamp, auth.now):
+            raise AuthenticationError(f"replayed message (seq {auth.seq} from {auth.sender!r} already accepted)")
+        return auth.sender
+
+    async def verify_request(self, headers: Mapping[str, str], body: bytes) -> str:
+        """The sender's region, or :class:`AuthenticationError` with the reason.
+
+        Records the (sender, seq) pair in the replay guard; a guard backed by
+        Redis raises :class:`~geolimit.errors.StorageError` when Redis fails
+        (the request must then be refused, e.g. with a 503).
+        """
+        region, when, seq, now = self._check(headers, body, None)
+        if not await self.guard.check_and_record(region, seq, when, now):
             raise AuthenticationError(f"replayed message (seq {seq} from {region!r} already accepted)")
         return region
 
+    def verify_response(self, headers: Mapping[str, str], body: bytes, expect_seq: int, sender: str) -> str:
+        """Checks that ``sender`` answered our request ``expect_seq``, for us; returns ``sender``."""
+        region, _, seq, _ = self._check(headers, body, sender)
+        if seq != expect_seq:
+            raise AuthenticationError("response is for another request")
+        return region
+
     def __repr__(self) -> str:
-        return f"Verifier(peers={sorted(self._peers)}, secret=<redacted>)"
+        return f"Verifier(region={self.own_region!r}, peers={sorted(self._peers)}, secret=<redacted>)"

@@ -1,8 +1,14 @@
-"""The gossip engine: delta rounds, acknowledged outboxes, relay and anti-entropy.
+"""The gossip engine: delta rounds over durable outboxes, relay and anti-entropy.
 
 Transport-agnostic: messages go through a :class:`~geolimit.replication.transport.Transport`,
 so the same engine runs over HTTP in the agent and over an in-memory network in
 simulations. Time comes from an injectable clock (seconds).
+
+The engine moves bytes. Redis holds every peer's outbox (``drain.lua``), packs
+a peer's batch into blobs (``pack.lua``), remembers what is in flight until the
+peer acknowledges it (``settle.lua``) and merges what peers send (``merge.lua``).
+A crash loses nothing: outboxes and in-flight batches live in Redis, and a
+restarted engine returns every in-flight batch to its outbox before it sends.
 """
 
 from __future__ import annotations
@@ -11,19 +17,17 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from geolimit.aio import cancel_and_wait
-from geolimit.core.window import bucket_of
-from geolimit.errors import GeolimitError, ProtocolError, StorageError
+from geolimit.errors import ProtocolError, StorageError
 from geolimit.replication import wire
 from geolimit.replication.digest import partition_digests, partition_of
-from geolimit.replication.outbox import CellKey, Outbox
 from geolimit.replication.peers import EngineSettings, PeerState
-from geolimit.replication.redis_io import ReplicationStore
+from geolimit.replication.redis_io import MAX_WINDOW, Packed, ReplicationStore, blobs_from_cells
 from geolimit.replication.transport import Transport, TransportError
-from geolimit.replication.wire import Cell6
+from geolimit.replication.wire import Blob, Cell6
 
 __all__ = ["EngineSettings", "GossipEngine", "PeerState"]
 
@@ -50,60 +54,81 @@ class GossipEngine:
         self.store = store
         self.transport = transport
         self.settings = settings or EngineSettings()
+        if not 1 <= self.settings.window <= MAX_WINDOW:
+            raise ValueError(f"window must be from 1 to {MAX_WINDOW}")
         self.clock = clock
         self._rng = rng or random.Random()
-        self.peers = {name: PeerState(name, Outbox(self.settings.outbox_limit)) for name in peers}
+        self.peers = {name: PeerState(name) for name in peers}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._failure: BaseException | None = None
-        self._prune_due = 0.0
+        self._recovered = False
         self.own_slots: dict[int, str] = {}
+        self.task_failures = 0
+        self.last_task_error: str | None = None
         self.stats: dict[str, float] = dict.fromkeys(
-            ("rounds", "round_seconds", "drained", "unknown_rule", "merged", "increased",
-             "dropped_old", "dropped_future", "relayed", "ae_runs", "ae_cells", "wipes"), 0.0
+            ("rounds", "round_seconds", "drained", "unknown_rule", "merged", "increased", "bad_values", "relayed",
+             "dropped_old", "dropped_future", "ae_runs", "ae_cells", "wipes", "refused"), 0.0
         )
 
     # -- rounds ---------------------------------------------------------------
 
     async def round(self) -> None:
-        """One gossip round: drain local changes, queue them, start sends and anti-entropy."""
-        if self._failure is not None:
-            raise self._failure
-        started = self.clock()
-        now = started
-        try:
-            drained = await self.store.drain(int(self.settings.lease_ttl * 1_000_000), self.peer_ages(now))
-        except StorageError:
-            # The drain may have taken the changed keys before its reply was lost:
-            # anti-entropy with every peer delivers them.
-            for peer in self.peers.values():
-                peer.ae_needed = True
-            raise
-        self._check_incarnations(drained.own_slots)
-        self.stats["drained"] += len(drained.cells)
-        self.stats["unknown_rule"] += drained.unknown
-        if drained.cells:
-            for peer in self.peers.values():
-                peer.outbox.extend(_keyed(drained.cells), now)
-        self._release_deferred(now)
-        if now >= self._prune_due:
-            self._prune(now)
+        """One gossip round: fan local changes out to the outboxes, start sends and anti-entropy."""
+        started = now = self.clock()
+        await self._drain(now)  # first: it renews the lease under which apps record changes
+        if not self._recovered:  # batches a previous agent left in flight go back to the outboxes
+            await self.store.recover(self.settings.window)
+            self._recovered = True
+            await self._drain(now)
+        await self._resettle()
+        self._start_sends(now)
         for peer in self.peers.values():
-            due = peer.last_attempt is None or now - peer.last_attempt >= self.settings.heartbeat
-            if not peer.sending and now >= peer.next_attempt and (len(peer.outbox) or due):
-                peer.sending = True
-                self._spawn(self._send(peer))
             if not peer.ae_running and now >= peer.next_attempt and (peer.ae_needed or now >= peer.ae_due):
                 peer.ae_running = True
                 self._spawn(self._anti_entropy(peer))
         self.stats["rounds"] += 1
         self.stats["round_seconds"] = self.clock() - started
 
+    async def _drain(self, now: float) -> None:
+        lease = int(self.settings.lease_ttl * 1_000_000)
+        try:
+            for _ in range(self.settings.drain_passes):
+                drained = await self.store.drain(lease, self.peer_ages(now))
+                self.stats["drained"] += drained.taken
+                if not drained.changed_left:
+                    break
+        except StorageError:
+            for peer in self.peers.values():
+                peer.ae_needed = True
+            raise
+        self._check_incarnations(drained.own_slots)
+        for peer in self.peers.values():
+            peer.pending = drained.pending.get(peer.name, {})
+            peer.oldest_us = drained.oldest_us.get(peer.name)
+
+    async def _resettle(self) -> None:
+        """Return in-flight batches whose outcome could not be recorded (Redis was down)."""
+        for peer in self.peers.values():
+            for slot in sorted(peer.unsettled):
+                await self.store.settle(peer.name, slot, range(self.store.layout.shards), delivered=False)
+                peer.unsettled.discard(slot)
+
+    def _start_sends(self, now: float) -> None:
+        per_message = self.settings.max_cells_per_message
+        for peer in self.peers.values():
+            if now < peer.next_attempt:
+                continue
+            window = 1 if peer.failures else self.settings.window
+            due = peer.last_attempt is None or now - peer.last_attempt >= self.settings.heartbeat
+            wanted = -(-peer.unsent // per_message) if peer.unsent else (1 if due and not peer.flying else 0)
+            free = [s for s in range(self.settings.window) if s not in peer.flying and s not in peer.unsettled]
+            for slot in free[: max(0, min(wanted, window - len(peer.flying)))]:
+                peer.flying.add(slot)
+                self._spawn(self._send(peer, slot))
+
     async def settle(self) -> None:
         """Wait until every send and anti-entropy task started so far has finished."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        if self._failure is not None:
-            raise self._failure
 
     @property
     def tasks(self) -> set[asyncio.Task[None]]:
@@ -115,26 +140,26 @@ class GossipEngine:
         await cancel_and_wait(list(self._tasks))
 
     async def flush(self, deadline: float) -> bool:
-        """Shutdown: drain once, try to deliver every outbox before ``deadline`` (clock time)."""
+        """Shutdown: deliver every outbox before ``deadline`` (clock time), if the peers answer."""
         try:
             await asyncio.wait_for(self._flush(), timeout=max(0.0, deadline - self.clock()))
         except (TimeoutError, asyncio.TimeoutError):
             return False
-        return all(not len(p.outbox) for p in self.peers.values())
+        return all(not p.queued for p in self.peers.values())
 
     async def _flush(self) -> None:
         await self.settle()
-        now = self.clock()
-        drained = await self.store.drain(int(self.settings.lease_ttl * 1_000_000), self.peer_ages(now))
-        for peer in self.peers.values():
-            peer.outbox.extend(_keyed(drained.cells), now)
-            for _, _, _, cells in peer.deferred:
-                peer.outbox.extend(_keyed(cells), now)
-            peer.deferred.clear()
-            if len(peer.outbox) and not peer.sending:
-                peer.sending = True
-                self._spawn(self._send(peer))
-        await self.settle()
+        while True:
+            now = self.clock()
+            await self._drain(now)
+            if not any(p.queued for p in self.peers.values()):
+                return
+            for peer in self.peers.values():
+                peer.next_attempt = 0.0
+            self._start_sends(now)
+            await self.settle()
+            if all(p.failures for p in self.peers.values() if p.queued):
+                return
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -143,9 +168,13 @@ class GossipEngine:
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._failure is None:
-            self._failure = task.exception()
-            log.error("gossip task crashed", exc_info=self._failure)
+        if not task.cancelled() and task.exception() is not None:
+            # Reported and retried (the next round starts a new one), never fatal.
+            exc = task.exception()
+            self.task_failures += 1
+            self.last_task_error = f"{type(exc).__name__}: {exc}"[:300]
+            log.error("region %s: gossip task failed (%d so far); it is retried", self.region,
+                      self.task_failures, exc_info=exc)
 
     def peer_ages(self, now: float) -> dict[str, int]:
         """How old each peer's counts are here (µs), for prediction and partition policies.
@@ -178,40 +207,90 @@ class GossipEngine:
     def _reach(self, now: float) -> dict[str, float]:
         return {p.name: round(now - p.last_ok, 3) for p in self.peers.values() if p.last_ok is not None}
 
-    def message(self, kind: str, cells: list[Cell6] | None = None) -> wire.Message:
+    def message(self, kind: str, dest: str, blobs: list[Blob] | None = None) -> wire.Message:
         now = self.clock()
         return wire.Message(
             kind=kind,
             sender=self.region,
+            dest=dest,
             now_us=int(now * 1_000_000),
             reach=self._reach(now),
+            failing=[p.name for p in self.peers.values() if p.failures],
             rules={n: r.structure for n, r in self.store.rules.items()},
-            cells=cells or [],
+            shards=self.store.layout.shards,
+            blobs=blobs or [],
         )
 
-    async def _send(self, peer: PeerState) -> None:
-        """Deliver the outbox in messages of at most ``max_cells_per_message`` cells."""
+    async def _collect(self, peer: PeerState, slot: int, limit: int) -> Packed:
+        """Pack up to about ``limit`` cells of ``peer``'s outbox into in-flight ``slot``."""
+        total = Packed()
+        shards = self.store.layout.shards
+        for _ in range(4):  # a shard gives at most 4 batches to one message
+            order = [(peer.cursor + i) % shards for i in range(shards)]
+            todo = [s for s in order if peer.pending.get(s)]
+            if not todo:
+                break
+            for start in range(0, len(todo), 8):
+                got = await self.store.pack(peer.name, slot, todo[start : start + 8], limit - total.cells)
+                total.blobs += got.blobs
+                for shard, keys in got.shards.items():
+                    total.shards[shard] = total.shards.get(shard, 0) + keys
+                total.keys += got.keys
+                total.cells += got.cells
+                total.unknown += got.unknown
+                total.bad += got.bad
+                for shard, left in got.left.items():
+                    if left:
+                        peer.pending[shard] = left
+                    else:
+                        peer.pending.pop(shard, None)
+                if total.cells >= limit:
+                    break
+            if total.cells >= limit:
+                break
+        peer.cursor = (peer.cursor + 1) % shards
+        self.stats["unknown_rule"] += total.unknown
+        self.stats["bad_values"] += total.bad
+        return total
+
+    async def _send(self, peer: PeerState, slot: int) -> None:
+        """Deliver outbox batches through in-flight ``slot`` until the outbox is empty."""
         try:
             while True:
                 # A failing peer gets small messages until one succeeds, then the rest.
                 limit = self.settings.probe_cells if peer.failures else self.settings.max_cells_per_message
-                snapshot = peer.outbox.snapshot(limit)
+                packed = await self._collect(peer, slot, limit)
+                peer.flight_keys[slot] = packed.keys
                 peer.last_attempt = sent_at = self.clock()
-                cells = [(k[0], k[1], k[2], k[3], v, f) for k, v, f in snapshot]
                 try:
-                    reply = await self.transport.send(peer.name, self.message("delta", cells))
+                    reply = await self.transport.send(peer.name, self.message("delta", peer.name, packed.blobs))
                 except (TransportError, ProtocolError) as exc:
+                    await self._conclude(peer, slot, packed, delivered=False)
                     self._failed(peer, exc)
                     return
+                await self._conclude(peer, slot, packed, delivered=True)
                 took = self.clock() - sent_at
                 peer.rtt = took if peer.rtt == 0.0 else 0.8 * peer.rtt + 0.2 * took
-                peer.outbox.ack(snapshot)
-                peer.cells_sent += len(cells)
+                peer.cells_sent += packed.cells
                 self._succeeded(peer, reply)
-                if len(snapshot) < limit or not len(peer.outbox):
+                if packed.cells < limit or not peer.unsent:
                     return
         finally:
-            peer.sending = False
+            peer.flying.discard(slot)
+            peer.flight_keys.pop(slot, None)
+
+    async def _conclude(self, peer: PeerState, slot: int, packed: Packed, delivered: bool) -> None:
+        if not packed.shards:
+            return
+        try:
+            await self.store.settle(peer.name, slot, sorted(packed.shards), delivered)
+        except BaseException:
+            peer.unsettled.add(slot)  # returned to the outbox by a later round (or a restart)
+            raise
+        finally:
+            if not delivered:  # back in the outbox (or soon): count them as queued again
+                for shard, keys in packed.shards.items():
+                    peer.pending[shard] = peer.pending.get(shard, 0) + keys
 
     def _succeeded(self, peer: PeerState, reply: wire.Message) -> None:
         now = self.clock()
@@ -232,104 +311,106 @@ class GossipEngine:
         if peer.failures in (1, 10) or peer.failures % 100 == 0:
             log.warning("region %s: gossip to %s failed (%d in a row): %s", self.region, peer.name, peer.failures, exc)
 
+    def _link_down(self, source: PeerState, target: str, now: float) -> bool:
+        """Does ``source`` report that it cannot deliver to ``target``?
+
+        Either its last attempt failed, or it has not had an acknowledgement for
+        two heartbeats (an idle link still acknowledges every heartbeat).
+        """
+        if target in source.failing:
+            return True
+        acked = source.acked_from(target)
+        return acked is None or now - acked > 2 * self.settings.heartbeat + 2 * self.settings.interval
+
+    def _relays(self, source: PeerState, now: float) -> list[str]:
+        """The peers that cells from ``source`` are relayed to: those it cannot reach.
+
+        ``source`` delivers to every other peer itself (its outboxes are durable),
+        so a healthy mesh carries no relay traffic.
+        """
+        return [p for p in self.peers if p != source.name and self._link_down(source, p, now)]
+
     def _note_reach(self, peer: PeerState, msg: wire.Message, now: float) -> None:
+        # A link of the sender's that just went down may have swallowed cells we
+        # merged before we knew: anti-entropy with that target repairs them, and
+        # relay covers what comes next.
+        up = [t for t in self.peers if t != peer.name and not self._link_down(peer, t, now)]
         peer.reach = dict(msg.reach)
         peer.reach_at = now
+        peer.failing = frozenset(msg.failing)
+        for target in up:
+            if self._link_down(peer, target, now):
+                self.peers[target].ae_needed = True
         if msg.now_us:
             sample = msg.now_us / 1_000_000 - (now - peer.rtt / 2)
             peer.skew = sample if peer.skew == 0.0 else 0.8 * peer.skew + 0.2 * sample
 
     # -- receiving ------------------------------------------------------------
 
-    async def receive(self, msg: wire.Message) -> wire.Message:
-        """Handle a verified, decoded message from a peer and build the response."""
+    async def receive(self, msg: wire.Message, admit: Callable[[], Awaitable[object]] | None = None) -> wire.Message:
+        """Handle an authenticated, decoded message from a peer and build the response.
+
+        ``admit`` (the replay guard) runs once the message passed every check and
+        before anything is written, so a refused message leaves Redis untouched.
+        """
         now = self.clock()
         peer = self.peers.get(msg.sender)
         if peer is None:
             raise ProtocolError(f"message from unknown peer {msg.sender!r}")
+        if msg.dest != self.region:
+            raise ProtocolError(f"message addressed to {msg.dest!r}, this is {self.region!r}")
+        if msg.shards != self.store.layout.shards:
+            raise ProtocolError(
+                f"{msg.sender} uses {msg.shards} shards and this region {self.store.layout.shards}: "
+                f"every region must use the same [region] shards"
+            )
+        if msg.kind not in ("delta", "cells", "digest"):
+            raise ProtocolError(f"unexpected message kind {msg.kind!r}")
+        if msg.kind in ("delta", "cells"):
+            await self._merge(peer, msg, admit)
+        elif admit is not None:
+            await admit()
         peer.last_heard = now
         self._note_reach(peer, msg, now)
         if msg.kind in ("delta", "cells"):
-            await self._merge(peer, msg)
-            return self.message("ack")
+            return self.message("ack", peer.name)
         if msg.kind == "digest":
             live = await self.store.read_live(msg.now_us)
             mine = partition_digests(live)
             want = sorted(p for p in set(mine) | set(msg.digests) if mine.get(p) != msg.digests.get(p))
-            reply = self.message("ack", _cells_of(live, set(want)))
+            cells = _cells_of(live, set(want))
+            reply = self.message("ack", peer.name, blobs_from_cells(self.store.layout, cells))
             reply.digests, reply.want = mine, want
             return reply
         raise ProtocolError(f"unexpected message kind {msg.kind!r}")
 
-    async def _merge(self, peer: PeerState, msg: wire.Message) -> None:
-        cells = self._accepted(msg)
-        peer.cells_received += len(msg.cells)
-        merged = await self.store.merge(cells)
-        self.stats["merged"] += len(cells)
-        self.stats["increased"] += len(merged.increased)
+    async def _merge(
+        self, peer: PeerState, msg: wire.Message, admit: Callable[[], Awaitable[object]] | None = None
+    ) -> None:
+        if not msg.blobs:
+            if admit is not None:
+                await admit()
+            return
+        rules = self.store.rules
+        accepted = [n for n, structure in msg.rules.items() if n in rules and rules[n].structure == structure]
+        mismatched = sorted(n for n, s in msg.rules.items() if n in rules and rules[n].structure != s)
+        if mismatched:
+            log.warning("region %s: %s sent rules %s with another window/resolution; ignored",
+                        self.region, msg.sender, mismatched)
+        now = self.clock()
+        relay = self._relays(peer, now)
+        try:
+            merged = await self.store.merge_blobs(msg.blobs, peer.name, relay, accepted, admit)
+        except ProtocolError:
+            self.stats["refused"] += 1
+            raise
+        peer.cells_received += merged.cells
+        self.stats["merged"] += merged.cells
+        self.stats["increased"] += merged.increased
         self.stats["dropped_old"] += merged.dropped_old
         self.stats["dropped_future"] += merged.dropped_future
-        self._relay(peer, merged.increased)
-
-    def _accepted(self, msg: wire.Message) -> list[Cell6]:
-        rules = self.store.rules
-        bad = {n for n, structure in msg.rules.items() if n not in rules or rules[n].structure != structure}
-        if bad:
-            mismatched = sorted(n for n in bad if n in rules)
-            if mismatched:
-                log.warning("region %s: %s sent rules %s with another window/resolution; ignored",
-                            self.region, msg.sender, mismatched)
-            skipped = sum(1 for c in msg.cells if c[0] in bad)
-            self.stats["unknown_rule"] += skipped
-            return [c for c in msg.cells if c[0] not in bad]
-        return msg.cells
-
-    def _relay(self, source: PeerState, cells: list[Cell6]) -> None:
-        """Forward cells learned from ``source`` to the other peers.
-
-        Never back to ``source``, and never to the region that owns a cell's slot
-        (its own counts). When ``source`` reports a fresh link to a peer it will
-        deliver the cells itself, so the relay is deferred: dropped once ``source``
-        reports a delivery to that peer made after we received them, released as
-        soon as ``source`` reports without one, or at a deadline if it goes quiet.
-        """
-        if not cells:
-            return
-        now = self.clock()
-        fresh = 2 * self.settings.heartbeat + 2 * self.settings.interval
-        for peer in self.peers.values():
-            if peer is source:
-                continue
-            owned = peer.name + "/"
-            mine = [c for c in cells if not c[3].startswith(owned)]
-            if not mine:
-                continue
-            acked = source.acked_from(peer.name)
-            if acked is not None and now - acked <= fresh:
-                deadline = now + self.settings.relay_grace * max(self.settings.interval, self.settings.heartbeat)
-                peer.deferred.append((deadline, source.name, now, mine))
-            else:
-                peer.outbox.extend(_keyed(mine), now)
-                self.stats["relayed"] += len(mine)
-
-    def _release_deferred(self, now: float) -> None:
-        step = self.settings.interval
-        for peer in self.peers.values():
-            if not peer.deferred:
-                continue
-            keep: list[tuple[float, str, float, list[Cell6]]] = []
-            for item in peer.deferred:
-                deadline, source_name, received, cells = item
-                source = self.peers[source_name]
-                acked = source.acked_from(peer.name)
-                if acked is not None and acked > received + step:
-                    continue  # the origin delivered them itself
-                if now >= deadline or source.reach_at >= received + 2 * step:
-                    peer.outbox.extend(_keyed(cells), now)
-                    self.stats["relayed"] += len(cells)
-                else:
-                    keep.append(item)
-            peer.deferred = keep
+        self.stats["unknown_rule"] += merged.unknown_rule
+        self.stats["relayed"] += merged.relayed
 
     # -- anti-entropy ---------------------------------------------------------
 
@@ -357,16 +438,14 @@ class GossipEngine:
         now_us = int(self.clock() * 1_000_000)
         try:
             live = await self.store.read_live(now_us)
-            request = self.message("digest")
+            request = self.message("digest", name)
             request.now_us, request.digests = now_us, partition_digests(live)
             reply = await self.transport.send(name, request)
             self._succeeded(peer, reply)
             await self._merge(peer, reply)
-            self.stats["ae_cells"] += len(reply.cells)
-            mine = _cells_of(live, set(reply.want))
-            limit = self.settings.max_cells_per_message
-            for start in range(0, len(mine), limit):
-                await self.transport.send(name, self.message("cells", mine[start : start + limit]))
+            mine = blobs_from_cells(self.store.layout, _cells_of(live, set(reply.want)))
+            for start in range(0, len(mine), 64):
+                await self.transport.send(name, self.message("cells", name, mine[start : start + 64]))
             self.stats["ae_cells"] += len(mine)
         except (TransportError, ProtocolError) as exc:
             self._failed(peer, exc)
@@ -376,37 +455,26 @@ class GossipEngine:
             return False
         return True
 
-    # -- housekeeping ---------------------------------------------------------
-
-    def _prune(self, now: float) -> None:
-        rules = self.store.rules
-        oldest = {n: bucket_of(int(now * 1e6), r.resolution_us) - r.buckets - r.future for n, r in rules.items()}
-
-        def expired(key: CellKey) -> bool:
-            floor = oldest.get(key[0])
-            return floor is None or key[2] < floor
-
-        for peer in self.peers.values():
-            peer.outbox.prune(expired)
-        self._prune_due = now + 1.0
+    # -- status ---------------------------------------------------------------
 
     @property
     def initial_sync_done(self) -> bool:
         return all(p.ae_concluded for p in self.peers.values())
 
     def check_failure(self) -> None:
-        if self._failure is not None:
-            raise GeolimitError(f"gossip task crashed: {self._failure!r}") from self._failure
+        """Kept for callers that poll for a fatal failure: background tasks are never fatal."""
 
-
-def _keyed(cells: Iterable[Cell6]) -> Iterable[tuple[CellKey, int, int]]:
-    return (((c[0], c[1], c[2], c[3]), c[4], c[5]) for c in cells)
+    def describe_failures(self) -> dict[str, Any]:
+        return {"task_failures": self.task_failures, "last_task_error": self.last_task_error}
 
 
 def _cells_of(live: dict[tuple[str, bytes], list[tuple[int, str, int, int]]], parts: set[int]) -> list[Cell6]:
+    """The cells of some partitions (a peer's own cells included: it may have lost
+    an old incarnation's, and an echo of its current slot changes nothing)."""
     return [
         (rule, subject, bucket, slot, value, floor)
         for (rule, subject), cells in live.items()
         if partition_of(subject) in parts
         for bucket, slot, value, floor in cells
     ]
+

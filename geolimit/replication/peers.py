@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from geolimit.replication.outbox import Outbox
-from geolimit.replication.wire import Cell6
-
 __all__ = ["EngineSettings", "PeerState"]
 
 
@@ -16,17 +13,16 @@ class EngineSettings:
     anti_entropy_interval: float = 30.0
     max_backoff: float = 0.2  # retries keep probing a failed peer this often, so a heal is noticed fast
     probe_cells: int = 200  # cells per attempt while a peer is failing
-    outbox_limit: int = 1_000_000
     max_cells_per_message: int = 20_000  # bounds how long a peer spends merging one request
     heartbeat: float = 1.0  # send (possibly empty) deltas at least this often
     lease_ttl: float = 15.0
-    relay_grace: int = 3  # intervals a deferred relay waits for the origin to deliver
+    window: int = 4  # messages in flight per peer (at most 8)
+    drain_passes: int = 16  # bounded drain calls per shard and round
 
 
 @dataclass
 class PeerState:
     name: str
-    outbox: Outbox
     last_ok: float | None = None
     last_heard: float | None = None
     last_attempt: float | None = None
@@ -34,9 +30,9 @@ class PeerState:
     errors: int = 0
     last_error: str | None = None
     next_attempt: float = 0.0
-    sending: bool = False
     reach: dict[str, float] = field(default_factory=dict)
     reach_at: float = 0.0
+    failing: frozenset[str] = frozenset()  # peers this peer reports it cannot deliver to
     ae_needed: bool = True
     ae_running: bool = False
     ae_due: float = 0.0
@@ -46,7 +42,22 @@ class PeerState:
     cells_received: int = 0
     rtt: float = 0.0  # smoothed round trip of our messages to this peer (seconds)
     skew: float = 0.0  # smoothed estimate of the peer's clock minus ours (seconds), for status
-    deferred: list[tuple[float, str, float, list[Cell6]]] = field(default_factory=list)
+    pending: dict[int, int] = field(default_factory=dict)  # shard -> keys queued in Redis for this peer
+    oldest_us: int | None = None  # when the oldest queued change was queued (µs, Redis clock)
+    flying: set[int] = field(default_factory=set)  # in-flight message slots
+    flight_keys: dict[int, int] = field(default_factory=dict)  # in-flight slot -> keys it carries
+    unsettled: set[int] = field(default_factory=set)  # slots whose outcome could not be recorded
+    cursor: int = 0  # shard the next message starts packing from (fairness)
+
+    @property
+    def queued(self) -> int:
+        """Keys not yet acknowledged by this peer: queued (as of the last drain or pack) or in flight."""
+        return sum(self.pending.values()) + sum(self.flight_keys.values())
+
+    @property
+    def unsent(self) -> int:
+        """Keys queued in this peer's outbox, not in flight."""
+        return sum(self.pending.values())
 
     def acked_from(self, target: str) -> float | None:
         """When this peer last reported an acknowledgement from ``target`` (our clock)."""

@@ -1,50 +1,98 @@
-"""The replication agent's Redis operations: drain, merge, read the live window.
+"""The replication agent's Redis operations: a thin shell over the scripts.
 
-A thin I/O shell: the scripts do the atomic work (``drain.lua``, ``merge.lua``),
-this module builds their arguments and turns replies into cells.
+Redis does the per-cell work: ``drain.lua`` fans a shard's changed keys out into
+durable per-peer outboxes, ``pack.lua`` turns a bounded batch of a peer's outbox
+into one msgpack blob, ``settle.lua`` acknowledges or returns an in-flight batch,
+and ``merge.lua`` validates a peer's blob and max-merges it. Python moves bytes:
+it never builds an object per cell on these paths. Every script call does
+bounded work (``max_keys`` keys, ``max_cells`` cells), so Redis is never held
+for long and a decision waits at most about a millisecond behind replication.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import msgpack
 from redis.exceptions import RedisError
 
 from geolimit.core.keys import KeyLayout
 from geolimit.core.rule import Rule
 from geolimit.core.usage import slot_names
 from geolimit.core.window import bucket_of, read_key
-from geolimit.errors import StorageError
+from geolimit.errors import ProtocolError, StorageError
 from geolimit.replication.digest import live_range, partition_of
-from geolimit.replication.wire import Cell6
+from geolimit.replication.wire import Blob, Cell6
 from geolimit.store.async_store import AsyncStore
 from geolimit.store.redis_store import describe_error
 from geolimit.store.scripts import load_script
 
-__all__ = ["Drained", "Merged", "ReplicationStore"]
+__all__ = ["Drained", "Limits", "MergeResult", "Packed", "ReplicationStore", "blobs_from_cells"]
 
 _DRAIN = load_script("drain")
+_PACK = load_script("pack")
+_SETTLE = load_script("settle")
 _MERGE = load_script("merge")
+
+#: In-flight message slots per peer (drain.lua forgets slots 0..7 of removed peers).
+MAX_WINDOW = 8
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on script work and on what a peer may send."""
+
+    drain_keys: int = 1000  # changed keys one drain call fans out
+    pack_keys: int = 500  # outbox keys one pack call takes
+    pack_cells: int = 2048  # cells one pack call puts in a blob
+    blob_cells: int = 4096  # cells a peer's blob may hold
+    new_slots: int = 16  # slot ids a blob may add to a shard's registry
+    max_slots: int = 256  # slot ids a shard's registry may hold
 
 
 @dataclass(slots=True)
 class Drained:
-    cells: list[Cell6] = field(default_factory=list)
-    unknown: int = 0  # changed keys of rules this agent does not know
     own_slots: dict[int, str] = field(default_factory=dict)  # shard -> this region's slot id
+    changed_left: int = 0  # changed keys not yet fanned out (more than one call's worth)
+    taken: int = 0  # changed keys fanned out by this drain
+    pending: dict[str, dict[int, int]] = field(default_factory=dict)  # peer -> shard -> outbox keys
+    oldest_us: dict[str, int | None] = field(default_factory=dict)  # peer -> oldest queued change
 
 
 @dataclass(slots=True)
-class Merged:
-    increased: list[Cell6] = field(default_factory=list)
+class Packed:
+    blobs: list[Blob] = field(default_factory=list)
+    shards: dict[int, int] = field(default_factory=dict)  # shard -> keys it put in flight
+    keys: int = 0
+    cells: int = 0
+    left: dict[int, int] = field(default_factory=dict)  # shard -> outbox keys still queued
+    unknown: int = 0  # outbox keys of rules this agent does not know (dropped)
+    bad: int = 0  # stored values that were not exact integers (skipped)
+
+
+@dataclass(slots=True)
+class MergeResult:
+    cells: int = 0
+    increased: int = 0
     dropped_old: int = 0
     dropped_future: int = 0
+    unknown_rule: int = 0
+    relayed: int = 0  # (key, peer) pairs queued for relay
+
+    def add(self, reply: Sequence[Any]) -> None:
+        self.cells += int(reply[1])
+        self.increased += int(reply[2])
+        self.dropped_old += int(reply[3])
+        self.dropped_future += int(reply[4])
+        self.unknown_rule += int(reply[5])
+        self.relayed += int(reply[6])
 
 
 class ReplicationStore:
-    """Drain, merge and read one region's Redis for the agent."""
+    """Drain, pack, settle and merge one region's Redis for the agent."""
 
     def __init__(
         self,
@@ -54,6 +102,8 @@ class ReplicationStore:
         rules: Mapping[str, Rule],
         nonce: bytes,
         now_us: Callable[[], int | None] = lambda: None,
+        peers: Sequence[str] = (),
+        limits: Limits | None = None,
     ) -> None:
         self.store = store
         self.layout = layout
@@ -61,95 +111,142 @@ class ReplicationStore:
         self._region_b = region.encode()
         self._nonce = nonce
         self._now = now_us
+        self.limits = limits or Limits()
+        self.peers = list(peers)
+        self._regions = [region.encode(), *(p.encode() for p in self.peers)]
         self.set_rules(rules)
 
     def set_rules(self, rules: Mapping[str, Rule]) -> None:
         self.rules = dict(rules)
-        args: list[bytes] = [b"%d" % len(self.rules)]
+        pack: list[bytes] = [b"%d" % len(self.rules)]
         for name, rule in self.rules.items():
-            args += (name.encode(), b"%d" % rule.resolution_us, b"%d" % rule.buckets, b"%d" % rule.ring)
-        self._rule_args = args
+            pack += (name.encode(), b"%d" % rule.resolution_us, b"%d" % rule.buckets, b"%d" % rule.ring)
+        self._pack_rules = pack
+
+    def _merge_rules(self, accepted: Iterable[str]) -> list[bytes]:
+        names = [n for n in accepted if n in self.rules]
+        out: list[bytes] = [b"%d" % len(names)]
+        for name in names:
+            r = self.rules[name]
+            out += (name.encode(), b"%d" % r.resolution_us, b"%d" % r.buckets, b"%d" % r.ring,
+                    b"%d" % r.future, b"%d" % r.ttl_ms)
+        return out
 
     def _clock_arg(self) -> bytes:
         now = self._now()
         return b"" if now is None else b"%d" % now
 
-    async def drain(self, lease_us: int = 15_000_000, peer_ages: Mapping[str, int] | None = None) -> Drained:
-        """Take every shard's changes since the last drain (one pipelined round trip).
+    def _registry(self, shard: int) -> bytes:
+        return self.layout.registry_key(shard)
 
-        Also renews the lease that makes apps record changes (for ``lease_us``) and
-        publishes ``peer_ages``: for each peer, how old (µs) its counts here are.
+    # -- the sender's side ------------------------------------------------------
+
+    async def drain(self, lease_us: int = 15_000_000, peer_ages: Mapping[str, int] | None = None) -> Drained:
+        """Fan changed keys out into the peers' outboxes: one bounded call per shard.
+
+        Also renews the lease that makes apps record changes (for ``lease_us``),
+        publishes ``peer_ages`` (how old, in µs, each peer's counts here are) and
+        forgets peers that are no longer configured.
         """
         ages = peer_ages or {}
-        fresh: list[bytes] = [b"%d" % (len(ages) + 1), b"%d" % len(ages)]
-        for peer, age in ages.items():
-            fresh += (peer.encode(), b"%d" % age)
-        head = [
-            self._clock_arg(), self._region_b, self._nonce, new_incarnation(self._nonce), b"%d" % lease_us,
-            *self._rule_args, *fresh,
-        ]
+        fresh: list[bytes] = [b"%d" % (len(self.peers) + 1), b"%d" % len(self.peers)]
+        for peer in self.peers:
+            fresh += (peer.encode(), b"%d" % ages.get(peer, 0))
+        head = [self._clock_arg(), self._region_b, self._nonce, new_incarnation(self._nonce), b"%d" % lease_us,
+                b"%d" % self.limits.drain_keys, *fresh]
         calls = [[b"3", *self.layout.aux_keys(s), *head] for s in range(self.layout.shards)]
-        replies = await self.store.run_many(_DRAIN, calls)
-        out = Drained()
-        for shard, reply in enumerate(replies):
-            if isinstance(reply, Exception):
-                raise reply if isinstance(reply, StorageError) else StorageError(str(reply))
-            own = reply[0].decode()
-            out.own_slots[shard] = own
-            names = slot_names(_pairs(reply[1])) if reply[1] else {0: own}
-            out.unknown += int(reply[2])
-            for i in range(3, len(reply), 2):
-                _, rule, subject = self.layout.parse_data_key(reply[i])
-                flat = reply[i + 1]
-                for j in range(0, len(flat), 4):
-                    slot = names.get(int(flat[j + 1]))
-                    if slot is not None:
-                        out.cells.append((rule, subject, int(flat[j]), slot, int(flat[j + 2]), int(flat[j + 3])))
+        out = Drained(pending={p: {} for p in self.peers}, oldest_us=dict.fromkeys(self.peers))
+        for shard, reply in enumerate(_checked(await self.store.run_many(_DRAIN, calls))):
+            out.own_slots[shard] = reply[0].decode()
+            out.changed_left += int(reply[1])
+            out.taken += int(reply[2])
+            for i, peer in enumerate(self.peers):
+                queued, since = int(reply[3 + 2 * i]), int(reply[4 + 2 * i])
+                if queued:
+                    out.pending[peer][shard] = queued
+                if since >= 0:
+                    old = out.oldest_us[peer]
+                    out.oldest_us[peer] = since if old is None else min(old, since)
         return out
 
-    async def merge(self, cells: Iterable[Cell6]) -> Merged:
-        """Max-merge cells of known rules; returns the cells that raised local state."""
-        by_shard: dict[int, dict[tuple[str, bytes], list[Cell6]]] = {}
-        for cell in cells:
-            if cell[0] in self.rules:
-                shard = self.layout.shard_of(cell[1])
-                by_shard.setdefault(shard, {}).setdefault((cell[0], cell[1]), []).append(cell)
-        if not by_shard:
-            return Merged()
-        clock = self._clock_arg()
-        calls: list[list[bytes]] = []
-        plans: list[list[list[Cell6]]] = []
-        for shard, keys in by_shard.items():
-            slots: dict[str, int] = {}
-            keys_arg: list[bytes] = [self.layout.registry_key(shard)]
-            body: list[bytes] = []
-            plan: list[list[Cell6]] = []
-            for (rule_name, subject), key_cells in keys.items():
-                rule = self.rules[rule_name]
-                keys_arg.append(self.layout.data_key(rule_name, subject))
-                body += (
-                    b"%d" % rule.resolution_us, b"%d" % rule.buckets, b"%d" % rule.ring,
-                    b"%d" % rule.future, b"%d" % rule.ttl_ms, b"%d" % len(key_cells),
-                )
-                for _, _, bucket, slot, value, floor in key_cells:
-                    ref = slots.setdefault(slot, len(slots))
-                    body += (b"%d" % bucket, b"%d" % ref, b"%d" % value, b"%d" % floor)
-                plan.append(key_cells)
-            slot_args = [s.encode() for s in slots]
-            calls.append(
-                [b"%d" % len(keys_arg), *keys_arg, clock, self._region_b, self._nonce, b"%d" % len(slots), *slot_args, *body]
-            )
-            plans.append(plan)
-        out = Merged()
-        for reply, plan in zip(await self.store.run_many(_MERGE, calls), plans, strict=True):
-            if isinstance(reply, Exception):
-                raise reply if isinstance(reply, StorageError) else StorageError(str(reply))
-            increased, old, future = reply
-            for i in range(0, len(increased), 2):
-                out.increased.append(plan[increased[i] - 1][increased[i + 1] - 1])
-            out.dropped_old += int(old)
-            out.dropped_future += int(future)
+    async def pack(self, peer: str, slot: int, shards: Sequence[int], max_cells: int | None = None) -> Packed:
+        """Take a batch of ``peer``'s outbox in ``shards`` into in-flight ``slot``."""
+        cells = min(max_cells or self.limits.pack_cells, self.limits.pack_cells)
+        head = [self._clock_arg(), peer.encode(), b"%d" % slot, b"%d" % self.limits.pack_keys, b"%d" % cells,
+                *self._pack_rules]
+        calls = [[b"1", self._registry(s), *head] for s in shards]
+        out = Packed()
+        for shard, reply in zip(shards, _checked(await self.store.run_many(_PACK, calls)), strict=True):
+            out.left[shard] = int(reply[3])
+            out.unknown += int(reply[4])
+            out.bad += int(reply[5])
+            if reply[0]:
+                out.blobs.append((shard, bytes(reply[0])))
+                out.shards[shard] = out.shards.get(shard, 0) + int(reply[1])
+                out.keys += int(reply[1])
+                out.cells += int(reply[2])
         return out
+
+    async def settle(self, peer: str, slot: int, shards: Iterable[int], delivered: bool) -> None:
+        """Acknowledge (forget) or return (re-queue) what in-flight ``slot`` holds."""
+        mode = b"ack" if delivered else b"nack"
+        calls = [[b"1", self._registry(s), self._clock_arg(), peer.encode(), b"%d" % slot, mode] for s in shards]
+        _checked(await self.store.run_many(_SETTLE, calls))
+
+    async def recover(self, window: int = MAX_WINDOW) -> None:
+        """Return every in-flight batch to its outbox (after a crash or restart)."""
+        for peer in self.peers:
+            for slot in range(window):
+                await self.settle(peer, slot, range(self.layout.shards), delivered=False)
+
+    # -- the receiver's side ----------------------------------------------------
+
+    async def merge_blobs(
+        self,
+        blobs: Sequence[Blob],
+        source: str,
+        relay_to: Sequence[str] = (),
+        rules: Iterable[str] | None = None,
+        admit: Callable[[], Awaitable[object]] | None = None,
+    ) -> MergeResult:
+        """Validate every blob, then max-merge them; nothing is written unless all pass.
+
+        ``rules``: the rule names whose structure the sender shares (default: all of
+        ours); cells of other rules are skipped and counted. Keys whose state rose
+        are queued for the peers in ``relay_to``. A refused blob raises
+        :class:`ProtocolError` naming the reason. ``admit`` runs between the checks
+        and the writes (the replay guard: a refused message leaves no trace).
+        """
+        if not blobs:
+            if admit is not None:
+                await admit()
+            return MergeResult()
+        lim = self.limits
+        rule_args = self._merge_rules(self.rules if rules is None else rules)
+        relay = [b"%d" % len(relay_to), *(p.encode() for p in relay_to)]
+        regions = [b"%d" % len(self._regions), *self._regions]
+
+        def calls(apply: bytes) -> list[list[bytes]]:
+            head = [self._clock_arg(), self._region_b, self._nonce, apply, b"%d" % lim.blob_cells,
+                    b"%d" % lim.new_slots, b"%d" % lim.max_slots, *regions, *rule_args, *relay]
+            return [[b"1", self._registry(shard), *head, blob] for shard, blob in blobs]
+
+        for shard, _ in blobs:
+            if not 0 <= shard < self.layout.shards:
+                raise ProtocolError(f"blob for shard {shard}, but this region has {self.layout.shards} shards")
+        for (shard, _), reply in zip(blobs, _checked(await self.store.run_many(_MERGE, calls(b"0"))), strict=True):
+            if int(reply[0]) != 1:
+                raise ProtocolError(f"refused cells for shard {shard}: {reply[1].decode(errors='replace')}")
+        if admit is not None:
+            await admit()
+        out = MergeResult()
+        for (shard, _), reply in zip(blobs, _checked(await self.store.run_many(_MERGE, calls(b"1"))), strict=True):
+            if int(reply[0]) != 1:  # only a concurrent registry change can refuse now
+                raise ProtocolError(f"refused cells for shard {shard}: {reply[1].decode(errors='replace')}")
+            out.add(reply)
+        return out
+
+    # -- whole-window reads (anti-entropy, the demo) ------------------------------
 
     async def read_live(
         self, now_us: int, partitions: set[int] | None = None
@@ -204,11 +301,50 @@ class ReplicationStore:
             raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
 
 
+def blobs_from_cells(layout: KeyLayout, cells: Iterable[Cell6], max_cells: int = 2048) -> list[Blob]:
+    """Pack Python-side cells into merge blobs (anti-entropy and tests; not the hot path)."""
+    by_shard: dict[int, dict[tuple[str, bytes], list[tuple[int, str, int, int]]]] = {}
+    for rule, subject, bucket, slot, value, floor in cells:
+        keys = by_shard.setdefault(layout.shard_of(subject), {})
+        keys.setdefault((rule, subject), []).append((bucket, slot, value, floor))
+    out: list[Blob] = []
+    for shard, keys in by_shard.items():
+        slots: dict[str, int] = {}
+        body: list[Any] = []
+        count = 0
+        for (rule, subject), key_cells in keys.items():
+            suffix = rule.encode() + b":" + subject
+            for start in range(0, len(key_cells), max_cells):  # a large key spans several blobs
+                chunk = key_cells[start : start + max_cells]
+                if count and count + len(chunk) > max_cells:
+                    out.append((shard, _pack_blob(slots, body)))
+                    slots, body, count = {}, [], 0
+                flat: list[int] = []
+                for bucket, slot, value, floor in chunk:
+                    flat += (bucket, slots.setdefault(slot, len(slots)), value, floor)
+                body += (suffix, flat)
+                count += len(flat) // 4
+                if count >= max_cells:
+                    out.append((shard, _pack_blob(slots, body)))
+                    slots, body, count = {}, [], 0
+        if body:
+            out.append((shard, _pack_blob(slots, body)))
+    return out
+
+
+def _pack_blob(slots: dict[str, int], body: list[Any]) -> bytes:
+    # Redis's cmsgpack reads only the raw (str) type: no bin.
+    return msgpack.packb([list(slots), *body], use_bin_type=False)  # type: ignore[no-any-return]
+
+
+def _checked(replies: list[Any]) -> list[Any]:
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply if isinstance(reply, StorageError) else StorageError(str(reply))
+    return replies
+
+
 def new_incarnation(nonce: bytes) -> bytes:
     """A fresh incarnation id: microsecond time in hex plus this process's nonce."""
     micros = time.time_ns() // 1000
     return b"%x%05x" % (micros // 1_000_000, micros % 1_000_000) + nonce
-
-
-def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
-    return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}

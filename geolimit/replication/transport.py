@@ -87,7 +87,7 @@ class HttpTransport:
 
     async def send(self, peer: str, message: wire.Message) -> wire.Message:
         body = wire.encode(message)
-        headers = self._signer.headers(body)
+        headers = self._signer.headers(body, peer)
         headers["Content-Type"] = CONTENT_TYPE
         seq = int(headers[SEQ])
         try:
@@ -102,7 +102,7 @@ class HttpTransport:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise TransportError(f"{peer} unreachable: {type(exc).__name__}: {exc}") from exc
         self.bytes_sent[peer] = self.bytes_sent.get(peer, 0) + len(body)
-        self._verifier.verify(reply_headers, payload, expect_seq=seq)
+        self._verifier.verify_response(reply_headers, payload, expect_seq=seq, sender=peer)
         reply = wire.decode(payload)
         if reply.sender != peer:
             raise ProtocolError(f"response from {peer} claims to come from {reply.sender!r}")

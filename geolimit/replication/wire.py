@@ -1,27 +1,28 @@
-"""The gossip wire format (msgpack), with strict validation. No I/O.
+"""The gossip wire format (msgpack), with strict validation of the envelope. No I/O.
 
 A message body is a msgpack map::
 
-    {"v": 1, "t": KIND, "from": REGION, "reach": {PEER: SECONDS_SINCE_LAST_ACK, ...},
-     "now": MICROSECONDS,                       # sender clock (anti-entropy window)
+    {"v": 2, "t": KIND, "from": REGION, "to": REGION, "now": MICROSECONDS,
+     "reach": {PEER: SECONDS_SINCE_LAST_ACK, ...},
+     "failing": [PEER, ...],                      # peers the sender cannot reach right now
+     "shards": SHARDS,                            # the sender's shard count (must match)
      "rules": [[NAME, WINDOW_US, RESOLUTION_US], ...],
-     "slots": [SLOT_ID, ...],                   # "region/incarnation"
-     "keys": [[RULE_INDEX, SUBJECT, [BUCKET, SLOT_INDEX, VALUE, FLOOR, ...]], ...],
-     "digests": {PARTITION: DIGEST, ...},       # kind "digest" only
-     "want": [PARTITION, ...]}                  # partitions the sender asks for
+     "blobs": [[SHARD, BLOB], ...],               # cells, packed by Redis (see below)
+     "digests": {PARTITION: DIGEST, ...},         # anti-entropy only
+     "want": [PARTITION, ...],                    # anti-entropy only
+     "ae": {...}}                                 # anti-entropy protocol payload
 
-KIND is ``delta`` (changed cells), ``digest`` (anti-entropy: partition digests),
-or ``cells`` (anti-entropy: every live cell of some partitions). A cell is four
-unsigned integers in a flat list, so a changed (bucket, slot, value) costs about
-8-12 bytes; the subject's bytes are sent once per key per message.
-
-Responses use the same encoding (kind ``ack``; an anti-entropy answer carries
-``want``, ``keys`` and ``digests`` like a request).
+KIND is ``delta`` (changed cells), ``digest`` / ``cells`` / ``ae`` (anti-entropy) or
+``ack`` (every response). A BLOB is itself msgpack, built by ``pack.lua`` and read
+by ``merge.lua`` inside Redis: ``[slots, suffix, cells, suffix, cells, ...]`` where
+``suffix`` is ``rule:subject`` and ``cells`` a flat list of ``bucket, slot_ref,
+value, floor``. Python checks the envelope here and moves blobs as opaque bytes;
+``merge.lua`` checks every cell before it writes anything.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,60 +30,54 @@ import msgpack
 
 from geolimit.errors import ProtocolError
 
-__all__ = ["KINDS", "Cell6", "Message", "decode", "encode"]
+__all__ = ["KINDS", "Blob", "Cell6", "Message", "decode", "encode"]
 
-VERSION = 1
-KINDS = ("delta", "digest", "cells", "ack")
+VERSION = 2
+KINDS = ("delta", "digest", "cells", "ae", "ack")
 MAX_UINT = 2**63 - 1
+MAX_BLOBS = 4096
 #: (rule, subject, bucket, slot id, value, floor)
 Cell6 = tuple[str, bytes, int, str, int, int]
+#: (shard, msgpack blob of cells)
+Blob = tuple[int, bytes]
 
 
 @dataclass(slots=True)
 class Message:
     kind: str
     sender: str
+    dest: str = ""
     now_us: int = 0
     reach: dict[str, float] = field(default_factory=dict)
+    failing: list[str] = field(default_factory=list)  # peers the sender currently cannot deliver to
     rules: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (window_us, res_us)
-    cells: list[Cell6] = field(default_factory=list)
+    shards: int = 0
+    blobs: list[Blob] = field(default_factory=list)
     digests: dict[int, int] = field(default_factory=dict)
     want: list[int] = field(default_factory=list)
+    ae: dict[str, Any] = field(default_factory=dict)
 
 
 def encode(message: Message) -> bytes:
-    """Serialise a message; cells are grouped by key and slots by index."""
-    rule_index: dict[str, int] = {}
-    slot_index: dict[str, int] = {}
-    keys: dict[tuple[str, bytes], list[int]] = {}
-    for rule, subject, bucket, slot, value, floor in message.cells:
-        flat = keys.get((rule, subject))
-        if flat is None:
-            flat = keys[(rule, subject)] = []
-        s = slot_index.get(slot)
-        if s is None:
-            s = slot_index[slot] = len(slot_index)
-        flat += (bucket, s, value, floor)
-    rules = []
-    for rule, _ in keys:
-        if rule not in rule_index:
-            rule_index[rule] = len(rule_index)
-            window_us, res_us = message.rules.get(rule, (0, 0))
-            rules.append([rule, window_us, res_us])
     body: dict[str, Any] = {
         "v": VERSION,
         "t": message.kind,
         "from": message.sender,
+        "to": message.dest,
         "now": message.now_us,
         "reach": message.reach,
-        "rules": rules,
-        "slots": list(slot_index),
-        "keys": [[rule_index[rule], subject, flat] for (rule, subject), flat in keys.items()],
+        "failing": message.failing,
+        "shards": message.shards,
+        "rules": [[name, w, r] for name, (w, r) in message.rules.items()],
     }
+    if message.blobs:
+        body["blobs"] = [[shard, blob] for shard, blob in message.blobs]
     if message.digests:
         body["digests"] = message.digests
     if message.want:
         body["want"] = message.want
+    if message.ae:
+        body["ae"] = message.ae
     return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
 
 
@@ -92,26 +87,26 @@ def _fail(what: str) -> ProtocolError:
 
 def _uint(value: object, what: str) -> int:
     if type(value) is not int or not 0 <= value <= MAX_UINT:
-        raise _fail(f"{what} must be an unsigned integer, got {value!r}")
+        raise _fail(f"{what} must be an unsigned integer, got {str(value)[:40]!r}")
     return value
 
 
-def _str(value: object, what: str, limit: int = 256) -> str:
-    if type(value) is not str or not value or len(value) > limit:
-        raise _fail(f"{what} must be a non-empty string of at most {limit} characters")
+def _str(value: object, what: str, limit: int = 256, empty: bool = False) -> str:
+    if type(value) is not str or (not value and not empty) or len(value) > limit:
+        raise _fail(f"{what} must be a {'' if empty else 'non-empty '}string of at most {limit} characters")
     return value
 
 
-def decode(body: bytes, max_cells: int = 2_000_000) -> Message:
-    """Parse and validate a message; any defect raises :class:`ProtocolError`."""
+def decode(body: bytes, max_blob_bytes: int = 1 << 24) -> Message:
+    """Parse and validate a message envelope; any defect raises :class:`ProtocolError`."""
     try:
         raw = msgpack.unpackb(
             body,
             raw=False,
             strict_map_key=False,
             max_str_len=1 << 16,
-            max_bin_len=1 << 16,
-            max_array_len=4 * max_cells,
+            max_bin_len=max_blob_bytes,
+            max_array_len=1 << 16,
             max_map_len=1 << 16,
             max_ext_len=0,
         )
@@ -120,58 +115,54 @@ def decode(body: bytes, max_cells: int = 2_000_000) -> Message:
     if not isinstance(raw, dict):
         raise _fail("the body must be a map")
     if raw.get("v") != VERSION:
-        raise _fail(f"unsupported protocol version {raw.get('v')!r} (this agent speaks {VERSION})")
+        raise _fail(f"unsupported protocol version {str(raw.get('v'))[:20]!r} (this agent speaks {VERSION})")
     kind = raw.get("t")
     if kind not in KINDS:
-        raise _fail(f"unknown kind {kind!r}")
-    message = Message(kind=kind, sender=_str(raw.get("from"), "from", 64), now_us=_uint(raw.get("now", 0), "now"))
+        raise _fail(f"unknown kind {str(kind)[:40]!r}")
+    message = Message(
+        kind=kind,
+        sender=_str(raw.get("from"), "from", 64),
+        dest=_str(raw.get("to", ""), "to", 64, empty=True),
+        now_us=_uint(raw.get("now", 0), "now"),
+        shards=_uint(raw.get("shards", 0), "shards"),
+    )
     reach = raw.get("reach", {})
-    if not isinstance(reach, Mapping):
-        raise _fail("reach must be a map")
+    if not isinstance(reach, Mapping) or len(reach) > 256:
+        raise _fail("reach must be a map of at most 256 peers")
     for peer, age in reach.items():
         if type(age) not in (int, float) or not 0 <= age < 1e12:
             raise _fail("reach ages must be non-negative numbers")
         message.reach[_str(peer, "reach peer", 64)] = float(age)
+    failing = _list(raw.get("failing", []), "failing")
+    if len(failing) > 256:
+        raise _fail("more than 256 failing peers")
+    message.failing = [_str(p, "failing peer", 64) for p in failing]
     rules = _list(raw.get("rules", []), "rules")
-    names: list[str] = []
+    if len(rules) > 1024:
+        raise _fail("more than 1024 rules")
     for item in rules:
         entry = _list(item, "rule entry")
         if len(entry) != 3:
             raise _fail("a rule entry is [name, window_us, resolution_us]")
-        name = _str(entry[0], "rule name", 64)
-        names.append(name)
-        message.rules[name] = (_uint(entry[1], "rule window"), _uint(entry[2], "rule resolution"))
-    slots = [_str(s, "slot id") for s in _list(raw.get("slots", []), "slots")]
-    total = 0
-    for item in _list(raw.get("keys", []), "keys"):
-        entry = _list(item, "key entry")
-        if len(entry) != 3:
-            raise _fail("a key entry is [rule_index, subject, cells]")
-        rule_i, subject, flat = entry
-        if type(rule_i) is not int or not 0 <= rule_i < len(names):
-            raise _fail(f"rule index {rule_i!r} out of range")
-        if type(subject) is not bytes or len(subject) > 4096:
-            raise _fail("a subject must be at most 4096 bytes of binary data")
-        flat = _list(flat, "cells")
-        if len(flat) % 4:
-            raise _fail("cells must be a flat list of [bucket, slot, value, floor] quadruples")
-        total += len(flat) // 4
-        if total > max_cells:
-            raise _fail(f"more than {max_cells} cells")
-        rule = names[rule_i]
-        for i in range(0, len(flat), 4):
-            bucket, slot_i, value, floor = flat[i], flat[i + 1], flat[i + 2], flat[i + 3]
-            if type(slot_i) is not int or not 0 <= slot_i < len(slots):
-                raise _fail(f"slot index {slot_i!r} out of range")
-            message.cells.append(
-                (rule, subject, _uint(bucket, "bucket"), slots[slot_i], _uint(value, "value"), _uint(floor, "floor"))
-            )
+        message.rules[_str(entry[0], "rule name", 64)] = (_uint(entry[1], "rule window"), _uint(entry[2], "rule resolution"))
+    blobs = _list(raw.get("blobs", []), "blobs")
+    if len(blobs) > MAX_BLOBS:
+        raise _fail(f"more than {MAX_BLOBS} blobs")
+    for item in blobs:
+        entry = _list(item, "blob entry")
+        if len(entry) != 2 or type(entry[1]) is not bytes:
+            raise _fail("a blob entry is [shard, bytes]")
+        message.blobs.append((_uint(entry[0], "blob shard"), entry[1]))
     digests = raw.get("digests", {})
     if not isinstance(digests, Mapping):
         raise _fail("digests must be a map")
     for part, digest in digests.items():
         message.digests[_uint(part, "partition")] = _uint(digest, "digest")
     message.want = [_uint(p, "wanted partition") for p in _list(raw.get("want", []), "want")]
+    ae = raw.get("ae", {})
+    if not isinstance(ae, dict) or not all(type(k) is str for k in ae):
+        raise _fail("ae must be a map with string keys")
+    message.ae = ae
     return message
 
 
@@ -179,11 +170,3 @@ def _list(value: object, what: str) -> Sequence[Any]:
     if not isinstance(value, list):
         raise _fail(f"{what} must be a list")
     return value
-
-
-def group_cells(cells: Iterable[Cell6]) -> dict[tuple[str, bytes], list[tuple[int, str, int, int]]]:
-    """Cells by (rule, subject)."""
-    out: dict[tuple[str, bytes], list[tuple[int, str, int, int]]] = {}
-    for rule, subject, bucket, slot, value, floor in cells:
-        out.setdefault((rule, subject), []).append((bucket, slot, value, floor))
-    return out

@@ -5,8 +5,9 @@ also starts the gossip loop; ``stop()`` stops accepting, flushes the outboxes
 once with a deadline and closes everything; ``abort()`` drops everything without
 flushing (what a crash looks like). ``async with Agent(config)`` starts and stops.
 
-A crash of the gossip loop is logged, turns ``/healthz`` into a 500 and makes
-``wait()`` raise; it is never silently dead.
+A failed gossip round or background task is never fatal and never silent: it
+is logged with its traceback, counted (``geolimit_background_task_failures``,
+``/v1/status``) and retried with exponential backoff.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from geolimit.errors import GeolimitError, StorageError
 from geolimit.replication.auth import Signer, Verifier
 from geolimit.replication.gossip import EngineSettings, GossipEngine
 from geolimit.replication.redis_io import ReplicationStore
+from geolimit.replication.replay import RedisReplayGuard
 from geolimit.replication.transport import HttpTransport, Transport
 from geolimit.server.api import add_api_routes, add_health_routes
 from geolimit.server.config import AgentConfig
@@ -38,8 +40,6 @@ __all__ = ["Agent"]
 
 log = logging.getLogger("geolimit.agent")
 
-#: The agent's Redis socket timeout (seconds); apps keep the limiter default (1 s).
-REDIS_TIMEOUT = 5.0
 
 
 class Agent:
@@ -56,7 +56,8 @@ class Agent:
         self._clock: Callable[[], float] = clock or time.time
         self._decision_clock = clock
         self.signer = Signer(config.secret, config.region, self._clock)
-        self.verifier = Verifier(config.secret, [p.name for p in config.peers], config.auth_window, self._clock)
+        self.verifier = Verifier(config.secret, [p.name for p in config.peers], config.region, config.auth_window,
+                                 self._clock)
         self._transport = transport
         self.limiter: AsyncLimiter | None = None
         self.engine: GossipEngine | None = None
@@ -64,7 +65,9 @@ class Agent:
         self._runners: list[web.AppRunner] = []
         self._addresses: list[tuple[str, int]] = []
         self._loop_task: asyncio.Task[None] | None = None
-        self._failure: str | None = None
+        self._failure: str | None = None  # the last failed round (reported, retried)
+        self._round_failures = 0
+        self._loop_crashed: str | None = None  # only a BaseException escapes the loop
         self._redis_ok = False
         self._last_redis_error: str | None = None
         self._started = self._listening = False
@@ -80,13 +83,15 @@ class Agent:
             cfg.redis_url, region=cfg.region, rules=cfg.rules, prefix=cfg.key_prefix, shards=cfg.shards,
             on_error=cfg.on_error,  # type: ignore[arg-type]
             clock=self._decision_clock,
-            # Drains and merges of large batches take longer than one decision.
-            timeout=REDIS_TIMEOUT,
+            # Decisions honour it; replication scripts do bounded work, well within it.
+            timeout=cfg.redis_timeout,
         )
+        self.verifier.guard = RedisReplayGuard(self.limiter.store, cfg.key_prefix, cfg.region, cfg.auth_window)
         store = ReplicationStore(
             self.limiter.store, self.limiter.layout, cfg.region, self.limiter.rules,
             nonce=secrets.token_hex(3).encode(),
             now_us=micros_source(self._decision_clock) or (lambda: None),
+            peers=[p.name for p in cfg.peers],
         )
         if self._transport is None:
             ssl_ctx = cfg.tls.client_context() if cfg.tls else None
@@ -96,7 +101,7 @@ class Agent:
             )
         settings = EngineSettings(
             interval=cfg.interval, anti_entropy_interval=cfg.anti_entropy_interval,
-            max_backoff=cfg.max_backoff or 2 * cfg.interval, outbox_limit=cfg.outbox_limit,
+            max_backoff=cfg.max_backoff or 2 * cfg.interval,
             heartbeat=max(1.0, cfg.interval), lease_ttl=max(15.0, 20 * cfg.interval),
             max_cells_per_message=max(1000, min(20_000, cfg.max_message_bytes // 40)),
         )
@@ -213,9 +218,20 @@ class Agent:
 
     async def _run_loop(self) -> None:
         interval = self.config.interval
+        failures = 0
         while True:
             began = time.monotonic()
-            await self._round()
+            try:
+                await self._round()
+            except Exception as exc:  # a bug or an unexpected reply: report, back off, go on
+                failures += 1
+                self._round_failures += 1
+                self._failure = f"{type(exc).__name__}: {exc}"[:300]
+                log.error("agent %s: gossip round failed (%d in a row); retrying", self.config.region,
+                          failures, exc_info=exc)
+                await asyncio.sleep(min(30.0, interval * 2 ** min(failures, 10)))
+                continue
+            failures = 0
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - began)))
 
     def _loop_done(self, task: asyncio.Task[None]) -> None:
@@ -223,7 +239,7 @@ class Agent:
             return
         exc = task.exception()
         if exc is not None:
-            self._failure = f"{type(exc).__name__}: {exc}"
+            self._loop_crashed = f"{type(exc).__name__}: {exc}"
             log.error("agent %s: gossip loop crashed", self.config.region, exc_info=exc)
 
     async def reload(self, config: AgentConfig) -> str:
@@ -284,12 +300,15 @@ class Agent:
             self._transport.set_url(name, url)
 
     def failure(self) -> str | None:
-        if self._failure is None and self.engine is not None:
-            try:
-                self.engine.check_failure()
-            except GeolimitError as exc:
-                return str(exc)
-        return self._failure
+        """A fatal failure (the gossip loop itself died), or None."""
+        return self._loop_crashed
+
+    def background_failures(self) -> dict[str, Any]:
+        """Failed rounds and tasks so far (each was retried) and the last error."""
+        tasks = self.engine.task_failures if self.engine is not None else 0
+        last = self.engine.last_task_error if self.engine is not None else None
+        return {"rounds": self._round_failures, "tasks": tasks, "last_round_error": self._failure,
+                "last_task_error": last}
 
     def readiness(self) -> tuple[bool, list[str]]:
         waiting = []
@@ -311,12 +330,13 @@ class Agent:
                 inc = slot.rpartition("/")[2]
                 incarnations[inc] = incarnations.get(inc, 0) + 1
             for peer in engine.peers.values():
-                oldest = peer.outbox.oldest()
+                oldest = peer.oldest_us
                 peers[peer.name] = {
                     "last_contact": peer.last_ok,
                     "last_contact_age": None if peer.last_ok is None else round(now - peer.last_ok, 3),
-                    "lag": 0.0 if oldest is None else round(now - oldest, 3),
-                    "outbox": len(peer.outbox),
+                    "lag": 0.0 if oldest is None else round(max(0.0, now - oldest / 1e6), 3),
+                    "outbox": peer.queued,
+                    "in_flight": len(peer.flying),
                     "errors": peer.errors,
                     "consecutive_failures": peer.failures,
                     "last_error": peer.last_error,
@@ -335,5 +355,6 @@ class Agent:
             "ready": ready,
             "waiting_for": waiting,
             "peers": peers,
+            "failures": self.background_failures(),
             "rules": {r.name: r.describe() for r in self.config.rules},
         }

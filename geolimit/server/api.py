@@ -141,8 +141,8 @@ def parse_check(item: object, where: str = "") -> Check:
             f"the subject is {len(subject)} bytes; the maximum is {MAX_SUBJECT_BYTES}", subject_field
         )
     cost = item.get("cost", 1)
-    if isinstance(cost, bool) or not isinstance(cost, int) or not 0 <= cost < MAX_COST:
-        raise BadRequest("'cost' must be an integer from 0 to 2**50 - 1", where + "cost")
+    if isinstance(cost, bool) or not isinstance(cost, int) or not 0 <= cost <= MAX_COST:
+        raise BadRequest(f"'cost' must be an integer from 0 to 2**46 ({MAX_COST})", where + "cost")
     return Check(rules, subject, cost, where)
 
 

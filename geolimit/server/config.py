@@ -49,7 +49,8 @@ __all__ = [
 ]
 
 _SECTIONS = {
-    "region": {"name", "redis_url", "listen", "secret_file", "key_prefix", "shards", "on_error", "api_listen", "api_token_file"},
+    "region": {"name", "redis_url", "listen", "secret_file", "key_prefix", "shards", "on_error", "api_listen", "api_token_file",
+               "redis_timeout"},
     "gossip": {"interval", "peers", "anti_entropy_interval", "max_message_bytes", "max_backoff", "timeout",
                "outbox_limit", "auth_window", "tls"},
     "log": {"format", "level"},
@@ -58,6 +59,8 @@ _RULE_KEYS = {"name", "limit", "window", "resolution", "mode", "predict", "parti
 _PEER_KEYS = {"name", "url"}
 _TLS_KEYS = {"cert_file", "key_file", "ca_file", "verify_peers"}
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: The longest region.redis_timeout accepted, in seconds.
+MAX_REDIS_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class AgentConfig:
     key_prefix: str = "gl"
     shards: int = 64
     on_error: str = "raise"
+    redis_timeout: float = 1.0  # seconds: socket timeout of the agent's Redis calls
     api_listen: tuple[str, int] | None = None
     api_token: str | None = field(default=None, repr=False)
     tls: TLSConfig | None = None
@@ -193,6 +197,14 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
         if value not in ("raise", "allow", "deny"):
             raise ConfigError(f"{src}: region.on_error must be 'raise', 'allow' or 'deny', got {value!r}")
         opts["on_error"] = value
+    if "redis_timeout" in region:
+        redis_timeout = parse_seconds(region["redis_timeout"], src, "region.redis_timeout")
+        if redis_timeout > MAX_REDIS_TIMEOUT:
+            raise ConfigError(
+                f"{src}: region.redis_timeout must be at most {MAX_REDIS_TIMEOUT:g} seconds, "
+                f"got {region['redis_timeout']!r}"
+            )
+        opts["redis_timeout"] = redis_timeout
     if "api_listen" in region:
         api_listen = parse_listen(region["api_listen"], f"{src}: region.api_listen")
         if api_listen == listen and listen[1] != 0:

@@ -4,8 +4,11 @@ Checks run in this order, and a request that fails one never reaches Redis:
 
 1. size: a body over the cap gets 413 before anything is decoded (``Content-Length``
    first, then a bounded read);
-2. authentication: unsigned, forged, replayed or stale messages get 401;
-3. decoding: malformed msgpack or an invalid message gets 400.
+2. authentication: unsigned, forged, replayed (the guard is in Redis, so it
+   survives restarts), stale or misaddressed messages get 401;
+3. decoding: malformed msgpack or an invalid message gets 400; so do cells that
+   ``merge.lua`` refuses (out of range, unknown regions' slots, the receiver's own
+   slot, too many new slot ids or cells), with nothing written.
 
 The response is the engine's reply, signed with the request's sequence number.
 """
@@ -47,11 +50,12 @@ def add_gossip_routes(app: web.Application, agent: Agent) -> None:
             metrics.rejected.labels("too_large").inc()
             return _error(413, "too_large", f"gossip body over {cap} bytes")
         try:
-            sender = agent.verifier.verify(request.headers, body)
+            auth = agent.verifier.authenticate(request.headers, body)
         except AuthenticationError as exc:
             metrics.rejected.labels("auth").inc()
             log.warning("gossip from %s refused: %s", request.remote, exc)
             return _error(401, "auth", str(exc))
+        sender = auth.sender
         try:
             message = wire.decode(body)
             if message.sender != sender:
@@ -64,14 +68,20 @@ def add_gossip_routes(app: web.Application, agent: Agent) -> None:
         if engine is None:
             return _error(503, "starting", "agent is starting")
         try:
-            reply = await engine.receive(message)
-        except StorageError as exc:
+            # The replay guard runs last, after every check: a refused message leaves no trace.
+            reply = await engine.receive(message, admit=lambda: agent.verifier.check_replay(auth))
+        except StorageError as exc:  # also the guard's: a replay cannot be ruled out
             return _error(503, "redis", str(exc))
+        except AuthenticationError as exc:
+            metrics.rejected.labels("auth").inc()
+            log.warning("gossip from %s refused: %s", sender, exc)
+            return _error(401, "auth", str(exc))
         except ProtocolError as exc:
             metrics.rejected.labels("decode").inc()
+            log.warning("gossip from %s refused: %s", sender, exc)
             return _error(400, "decode", str(exc))
         payload = wire.encode(reply)
-        headers = agent.signer.headers(payload, seq=int(request.headers[SEQ]))
+        headers = agent.signer.headers(payload, sender, seq=int(request.headers[SEQ]), response=True)
         headers["Content-Type"] = CONTENT_TYPE
         return web.Response(body=payload, headers=headers)
 

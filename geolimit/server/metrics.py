@@ -29,7 +29,7 @@ class _EngineCollector(Collector):
             return
         now = self._clock()
         age = GaugeMetricFamily("geolimit_peer_contact_age_seconds", "Seconds since the last acknowledged exchange with a peer (-1: never)", labels=["peer"])
-        outbox = GaugeMetricFamily("geolimit_outbox_cells", "Cells waiting for a peer's acknowledgement", labels=["peer"])
+        outbox = GaugeMetricFamily("geolimit_outbox_cells", "Keys queued in Redis for a peer (their changed cells wait for its acknowledgement)", labels=["peer"])
         lag = GaugeMetricFamily("geolimit_peer_lag_seconds", "Age of the oldest unacknowledged change for a peer", labels=["peer"])
         sent = CounterMetricFamily("geolimit_gossip_cells_sent", "Cells acknowledged by a peer", labels=["peer"])
         received = CounterMetricFamily("geolimit_gossip_cells_received", "Cells received from a peer", labels=["peer"])
@@ -37,9 +37,8 @@ class _EngineCollector(Collector):
         ae = CounterMetricFamily("geolimit_anti_entropy_runs_ok", "Completed anti-entropy exchanges", labels=["peer"])
         for peer in engine.peers.values():
             age.add_metric([peer.name], -1.0 if peer.last_ok is None else now - peer.last_ok)
-            outbox.add_metric([peer.name], len(peer.outbox))
-            oldest = peer.outbox.oldest()
-            lag.add_metric([peer.name], 0.0 if oldest is None else now - oldest)
+            outbox.add_metric([peer.name], peer.queued)
+            lag.add_metric([peer.name], 0.0 if peer.oldest_us is None else max(0.0, now - peer.oldest_us / 1e6))
             sent.add_metric([peer.name], peer.cells_sent)
             received.add_metric([peer.name], peer.cells_received)
             errors.add_metric([peer.name], peer.errors)
@@ -47,14 +46,17 @@ class _EngineCollector(Collector):
         yield from (age, outbox, lag, sent, received, errors, ae)
         stats = engine.stats
         yield CounterMetricFamily("geolimit_gossip_rounds", "Gossip rounds run", value=stats["rounds"])
-        yield CounterMetricFamily("geolimit_gossip_cells_drained", "Local cells drained for replication", value=stats["drained"])
-        yield CounterMetricFamily("geolimit_gossip_cells_relayed", "Cells relayed from one peer to another", value=stats["relayed"])
+        yield CounterMetricFamily("geolimit_gossip_cells_drained", "Changed local keys queued for the peers", value=stats["drained"])
+        yield CounterMetricFamily("geolimit_gossip_cells_relayed", "Keys queued for relay from one peer to another (per target peer)", value=stats["relayed"])
         yield CounterMetricFamily("geolimit_gossip_cells_increased", "Received cells that raised local state", value=stats["increased"])
         dropped = CounterMetricFamily("geolimit_gossip_cells_dropped", "Received cells outside the live window", labels=["reason"])
         dropped.add_metric(["old"], stats["dropped_old"])
         dropped.add_metric(["future"], stats["dropped_future"])
         dropped.add_metric(["unknown_rule"], stats["unknown_rule"])
         yield dropped
+        yield CounterMetricFamily("geolimit_gossip_values_skipped", "Stored values that were not exact integers (skipped when packing)", value=stats["bad_values"])
+        yield CounterMetricFamily("geolimit_gossip_refused", "Peer messages whose cells were refused (bad input)", value=stats["refused"])
+        yield CounterMetricFamily("geolimit_background_task_failures", "Background tasks that failed and were retried", value=engine.task_failures)
         yield CounterMetricFamily("geolimit_redis_data_loss_detected", "Times this region's Redis lost shards' data", value=stats["wipes"])
 
 

@@ -101,10 +101,11 @@ class SimCluster:
         return self
 
     def _region(self, name: str, db: int, clock: SkewedClock, limiter: AsyncLimiter) -> SimRegion:
-        store = ReplicationStore(
-            limiter.store, limiter.layout, name, limiter.rules, secrets.token_hex(3).encode(), now_us=clock.now_us
-        )
         peers = [p for p in self.names if p != name]
+        store = ReplicationStore(
+            limiter.store, limiter.layout, name, limiter.rules, secrets.token_hex(3).encode(), now_us=clock.now_us,
+            peers=peers,
+        )
         engine = GossipEngine(name, peers, store, self.network.transport(name), self.settings, clock, random.Random(db))
         self.network.receivers[name] = engine
         return SimRegion(name, db, clock, limiter, store, engine, gossip=self.replicate)
@@ -153,7 +154,8 @@ class SimCluster:
         await self.regions[region].limiter.store.client().flushdb()
 
     async def restart_agent(self, region: str) -> None:
-        """The region's agent crashes and restarts: outboxes and peer state are gone."""
+        """The region's agent crashes and restarts: its memory (peer state) is gone; the
+        outboxes and in-flight batches live in Redis and are picked up again."""
         old = self.regions[region]
         await old.engine.cancel()
         fresh = self._region(region, old.db, old.clock, old.limiter)

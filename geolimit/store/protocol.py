@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from geolimit.core.decision import Decision, combine, rule_decision
 from geolimit.core.keys import KeyLayout
 from geolimit.core.rule import Rule
+from geolimit.core.window import MAX_COUNT
 from geolimit.errors import RequestError, StorageError
 
 __all__ = [
+    "MAX_COST",
     "HitRequest",
     "RequestBuilder",
     "RulePlan",
@@ -28,7 +30,8 @@ __all__ = [
     "validate_cost",
 ]
 
-MAX_COST = 2**50
+#: The largest cost of one request (inclusive): see geolimit.core.window.MAX_COUNT.
+MAX_COST = MAX_COUNT
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +49,8 @@ class HitRequest:
 def validate_cost(cost: object) -> int:
     if isinstance(cost, bool) or not isinstance(cost, int):
         raise RequestError(f"cost must be an integer, got {cost!r}")
-    if cost < 0 or cost >= MAX_COST:
-        raise RequestError(f"cost must be between 0 and 2**50, got {cost}")
+    if not 0 <= cost <= MAX_COST:
+        raise RequestError(f"cost must be from 0 to 2**46 ({MAX_COST}), got {cost}")
     return cost
 
 

@@ -22,11 +22,15 @@ class LuaScript:
     sha: bytes  # hex digest, as EVALSHA wants it
 
 
+#: Scripts that also need the replication prelude (``outbox.lua``: outbox entries).
+_OUTBOX_SCRIPTS = frozenset({"drain", "pack", "settle", "merge"})
+
+
 @cache
 def load_script(name: str) -> LuaScript:
-    """The script ``geolimit/store/lua/<name>.lua`` with the common prelude."""
+    """The script ``geolimit/store/lua/<name>.lua`` with its prelude(s)."""
     folder = resources.files("geolimit.store") / "lua"
-    prelude = (folder / "common.lua").read_bytes()
-    body = (folder / f"{name}.lua").read_bytes()
-    source = prelude + b"\n" + body
+    preludes = ("common", "outbox") if name in _OUTBOX_SCRIPTS else ("common",)
+    parts = [(folder / f"{p}.lua").read_bytes() for p in preludes]
+    source = b"\n".join([*parts, (folder / f"{name}.lua").read_bytes()])
     return LuaScript(name, source, hashlib.sha1(source).hexdigest().encode())

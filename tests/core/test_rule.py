@@ -6,6 +6,7 @@ import pytest
 
 from geolimit import ConfigError, Rule, parse_rate
 from geolimit.core.rule import parse_duration
+from geolimit.core.window import MAX_CELL_VALUE, MAX_COUNT, SUBSTEPS
 
 
 def test_default_resolution_is_a_tenth_of_the_window() -> None:
@@ -57,7 +58,9 @@ def test_window_must_be_a_multiple_of_the_resolution() -> None:
         ({"name": "has space", "limit": 1, "window": 1}, "invalid rule name"),
         ({"name": "a:b", "limit": 1, "window": 1}, "invalid rule name"),
         ({"name": "", "limit": 1, "window": 1}, "invalid rule name"),
-        ({"name": "r", "limit": -1, "window": 1}, "limit must be an integer >= 0"),
+        ({"name": "r", "limit": -1, "window": 1}, r"limit must be an integer from 0 to 2\*\*46 \(70368744177664\)"),
+        ({"name": "r", "limit": 2**46 + 1, "window": 1}, r"limit must be an integer from 0 to 2\*\*46"),
+        ({"name": "r", "limit": 2**50, "window": 1}, r"limit must be an integer from 0 to 2\*\*46"),
         ({"name": "r", "limit": 1.5, "window": 1}, "limit must be an integer"),
         ({"name": "r", "limit": True, "window": 1}, "limit must be an integer"),
         ({"name": "r", "limit": 1, "window": 0}, "positive number of seconds"),
@@ -71,6 +74,14 @@ def test_window_must_be_a_multiple_of_the_resolution() -> None:
 def test_invalid_rules_have_clear_errors(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Rule(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_largest_limit_is_max_count() -> None:
+    assert MAX_COUNT == 2**46
+    assert Rule("r", MAX_COUNT, 1).limit == MAX_COUNT
+    assert Rule("r", 0, 1).limit == 0
+    # The largest cell value a rule can produce stays exact in a Lua double.
+    assert MAX_COUNT * SUBSTEPS + SUBSTEPS - 1 <= MAX_CELL_VALUE == 2**53 - 1
 
 
 def test_durations() -> None:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from geolimit.core.model import ModelStore
 from geolimit.core.rule import Rule
+from geolimit.core.usage import slot_names
 from geolimit.core.window import (
+    MAX_CELL_VALUE,
     SUBSTEPS,
     bucket_at,
     evaluate,
     field_of,
+    parse_stored_int,
     read_key,
     split_field,
     window_sums,
@@ -166,3 +170,101 @@ def test_window_sums_split() -> None:
     assert sums[5] == 2
     assert sums[10] == 3
     assert future == {101: 5}
+
+
+@pytest.mark.parametrize(
+    ("raw", "signed", "want"),
+    [
+        (b"0", False, 0),
+        (b"6400000000", False, 6_400_000_000),
+        (b"6.4e+09", False, 6_400_000_000),  # Redis 7.2.0-7.2.4 wrote round Lua numbers like this
+        (b"6.4E9", False, 6_400_000_000),
+        (b"1.0", False, 1),
+        (b"-0", False, 0),
+        (b"007", False, 7),
+        (b"%d" % MAX_CELL_VALUE, False, MAX_CELL_VALUE),
+        (b"%d" % (MAX_CELL_VALUE + 1), False, None),
+        (b"4.6116860184273879e+18", False, None),  # past 2**53: no longer exact
+        (b"9007199254740992.0", False, None),
+        (b"1.5", False, None),
+        (b"-64", False, None),
+        (b"-64", True, -64),
+        (b"-6.4e+01", True, -64),
+        (b"garbage", False, None),
+        (b"", False, None),
+        (b" 5", False, None),
+        (b"5 ", False, None),
+        (b"+5", False, None),
+        (b"1_000", False, None),
+        (b"0x10", False, None),
+        (b"nan", False, None),
+        (b"NaN", True, None),
+        (b"inf", False, None),
+        (b"-inf", True, None),
+        (b"1e400", False, None),
+        (b"1" * 5000, False, None),  # int() would raise for so many digits
+        (b"\xff\xfe", False, None),
+        ("12", False, 12),
+        ("\u0661\u0662", False, None),  # int() accepts Arabic-Indic digits; Lua does not
+    ],
+)
+def test_parse_stored_int(raw: bytes | str, signed: bool, want: int | None) -> None:
+    assert parse_stored_int(raw, signed=signed) == want
+
+
+def _good_key(ring: int) -> dict[bytes, bytes]:
+    fields = {b"h": b"1000"}
+    fields[b"%d" % field_of(0, 1000, ring)] = b"%d" % (5 * SUBSTEPS + 7)
+    fields[b"%d" % field_of(1, 999, ring)] = b"%d" % (3 * SUBSTEPS)
+    return fields
+
+
+def test_read_key_ignores_and_counts_bad_fields() -> None:
+    ring, n = 13, 10
+    good = read_key(_good_key(ring), 1000, n, ring)
+    assert (good.sums[0], good.sums[1], good.bad) == (5, 3, 0)
+    fields = _good_key(ring)
+    fields[b"%d" % field_of(2, 1000, ring)] = b"4.6116860184273879e+18"  # above 2**53: ignored
+    fields[b"%d" % field_of(3, 1000, ring)] = b"garbage"
+    fields[b"%d" % -(field_of(0, 1000, ring) + 1)] = b"nan"  # a floor that is not a number
+    fields[b"%d" % field_of(4, 1000, ring)] = b"-640"  # values are never negative
+    fields[b"not-a-field"] = b"64"
+    fields[b"1.5"] = b"64"
+    fields[b"1" * 5000] = b"64"
+    view = read_key(fields, 1000, n, ring)
+    assert (view.sums, view.future, view.head, view.own, view.firsts) == (
+        good.sums, good.future, good.head, good.own, good.firsts
+    )
+    assert view.cells == good.cells
+    assert view.bad == 7
+
+
+def test_read_key_accepts_float_formatted_integers() -> None:
+    ring, n = 13, 10
+    fields = {b"h": b"1e+03"}
+    fields[b"%d" % field_of(0, 1000, ring)] = b"6.4e+09"  # 100_000_000 units, first offset 0
+    fields[b"%d" % -(field_of(0, 1000, ring) + 1)] = b"3.2e+09"  # floor: 50_000_000 units
+    view = read_key(fields, 1000, n, ring)
+    assert view.head == 1000
+    assert view.sums[0] == 50_000_000
+    assert view.own == 6_400_000_000
+    assert view.cells == {(0, 1000): (6_400_000_000, 3_200_000_000)}
+    assert view.bad == 0
+
+
+@pytest.mark.parametrize("head", [b"garbage", b"-5", b"1.5", b"4.6116860184273879e+18"])
+def test_read_key_with_an_unreadable_head_reads_as_headless(head: bytes) -> None:
+    ring, n = 13, 10
+    fields = _good_key(ring) | {b"h": head}
+    view = read_key(fields, 1000, n, ring)
+    assert view.head is None
+    assert (view.sums[0], view.sums[1]) == (5, 3)  # positions read relative to the current bucket
+    assert view.bad == 1
+
+
+def test_slot_names_skip_unreadable_indexes() -> None:
+    registry = {
+        b"@": b"abc", b"#": b"4", b"a": b"garbage",
+        b"east/abc": b"0", b"west/x": b"1", b"eu/y": b"2.0", b"ap/z": b"bad", b"sa/w": b"-1", b"us/v": b"1.5",
+    }
+    assert slot_names(registry) == {0: "east/abc", 1: "west/x", 2: "eu/y"}

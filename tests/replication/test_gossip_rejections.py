@@ -9,8 +9,10 @@ import msgpack
 import pytest
 
 from geolimit import ManualClock, Rule
+from geolimit.core.keys import KeyLayout
 from geolimit.replication import wire
 from geolimit.replication.auth import SEQ, SIGNATURE, Signer
+from geolimit.replication.redis_io import blobs_from_cells
 from geolimit.store.embedded import EmbeddedRedis
 from tests.support.regions import Regions, dump_all
 
@@ -27,13 +29,23 @@ async def target(redis_server_factory: Factory) -> AsyncIterator[Regions]:
         yield rs
 
 
+def _blob(cells: list[tuple[int, int, int, int]], slots: list[str], subject: bytes = b"victim") -> bytes:
+    """A merge blob for one key of rule api, with raw cells (bucket, slot_ref, value, floor)."""
+    flat = [x for cell in cells for x in cell]
+    return msgpack.packb([slots, b"api:" + subject, flat], use_bin_type=False)  # type: ignore[no-any-return]
+
+
+def _message(blobs: list[tuple[int, bytes]], sender: str = "a", **changes: object) -> bytes:
+    message = wire.Message(kind="delta", sender=sender, dest="b", rules={"api": API.structure}, shards=64, blobs=blobs)
+    for name, value in changes.items():
+        setattr(message, name, value)
+    return wire.encode(message)
+
+
 def _delta(rs: Regions, cost: int = 5, sender: str = "a") -> bytes:
     bucket = rs.clock.now_us() // API.resolution_us  # type: ignore[union-attr]
-    message = wire.Message(
-        kind="delta", sender=sender, rules={"api": API.structure},
-        cells=[("api", b"victim", bucket, f"{sender}/x1", cost * 64, 0)],  # count * 64 + first offset
-    )
-    return wire.encode(message)
+    cells = [("api", b"victim", bucket, f"{sender}/x1", cost * 64, 0)]  # count * 64 + first offset
+    return _message(blobs_from_cells(KeyLayout(), cells), sender)
 
 
 async def _post(rs: Regions, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, object]]:
@@ -53,7 +65,7 @@ def _signer(rs: Regions, region: str = "a", secret: bytes | None = None, skew: f
 
 async def test_a_valid_message_is_merged(target: Regions) -> None:
     body = _delta(target)
-    status, _ = await _post(target, body, _signer(target).headers(body))
+    status, _ = await _post(target, body, _signer(target).headers(body, "b"))
     assert status == 200
     assert target["b"].app().usage("api", "victim").total == 5
 
@@ -66,20 +78,20 @@ async def test_bad_authentication_gets_401_and_changes_nothing(target: Regions, 
     client = target["b"].client()
     before = dump_all(client)
     body = _delta(target)
-    headers = _signer(target).headers(body)
+    headers = _signer(target).headers(body, "b")
     if case == "unsigned":
         headers = {}
     elif case == "forged":
         headers[SIGNATURE] = "0" * 64
     elif case == "wrong_secret":
-        headers = _signer(target, secret=b"another-secret-of-32-bytes-long!!").headers(body)
+        headers = _signer(target, secret=b"another-secret-of-32-bytes-long!!").headers(body, "b")
     elif case == "stale":
-        headers = _signer(target, skew=-31).headers(body)
+        headers = _signer(target, skew=-31).headers(body, "b")
     elif case == "future":
-        headers = _signer(target, skew=31).headers(body)
+        headers = _signer(target, skew=31).headers(body, "b")
     elif case == "unknown_sender":
         body = _delta(target, sender="mallory")
-        headers = _signer(target, region="mallory").headers(body)
+        headers = _signer(target, region="mallory").headers(body, "b")
     elif case == "tampered_body":
         body = _delta(target, cost=500)
     elif case == "bad_seq":
@@ -92,7 +104,7 @@ async def test_bad_authentication_gets_401_and_changes_nothing(target: Regions, 
 
 async def test_a_replayed_message_gets_401(target: Regions) -> None:
     body = _delta(target)
-    headers = _signer(target).headers(body)
+    headers = _signer(target).headers(body, "b")
     assert (await _post(target, body, headers))[0] == 200
     client = target["b"].client()
     before = dump_all(client)
@@ -106,7 +118,7 @@ async def test_an_oversized_body_gets_413_before_decoding(target: Regions) -> No
     client = target["b"].client()
     before = dump_all(client)
     body = b"\x00" * (64 * 1024 + 1)
-    status, reply = await _post(target, body, _signer(target).headers(body))
+    status, reply = await _post(target, body, _signer(target).headers(body, "b"))
     assert status == 413
     assert reply["reason"] == "too_large"
     assert dump_all(client) == before
@@ -116,29 +128,54 @@ async def test_an_oversized_body_gets_413_before_decoding(target: Regions) -> No
 
 def _malformed(rs: Regions) -> dict[str, bytes]:
     good = msgpack.unpackb(_delta(rs), raw=False)
+    bucket = rs.clock.now_us() // API.resolution_us  # type: ignore[union-attr]
+    shard = KeyLayout().shard_of(b"victim")
+    own = rs["b"].agent.engine.own_slots[shard] if rs["b"].agent.engine else "b/?"
+
     def pack(**changes: object) -> bytes:
         return msgpack.packb({**good, **changes}, use_bin_type=True)  # type: ignore[no-any-return]
+
+    def cells(*cells: tuple[int, int, int, int], slots: tuple[str, ...] = ("a/x1",)) -> bytes:
+        return _message([(shard, _blob(list(cells), list(slots)))])
+
     return {
         "not_msgpack": b"\xc1\xc1\xc1 not msgpack",
         "truncated": _delta(rs)[:-3],
         "not_a_map": msgpack.packb([1, 2, 3]),
         "bad_version": pack(v=99),
         "bad_kind": pack(t="explode"),
-        "slot_index_out_of_range": pack(keys=[[0, b"victim", [1, 9, 5, 0]]]),
-        "rule_index_out_of_range": pack(keys=[[4, b"victim", [1, 0, 5, 0]]]),
-        "negative_value": pack(keys=[[0, b"victim", [1, 0, -5, 0]]]),
-        "float_bucket": pack(keys=[[0, b"victim", [1.5, 0, 5, 0]]]),
-        "ragged_cells": pack(keys=[[0, b"victim", [1, 0, 5]]]),
-        "subject_not_bytes": pack(keys=[[0, "victim", [1, 0, 5, 0]]]),
         "sender_mismatch": pack(**{"from": "b"}),
+        "addressed_elsewhere": pack(to="c"),
+        "other_shard_count": pack(shards=128),
+        "blob_not_bytes": pack(blobs=[[shard, "text"]]),
+        "shard_out_of_range": pack(blobs=[[64, _blob([(bucket, 0, 5, 0)], ["a/x1"])]]),
         "huge_array_header": b"\x81\xa1t\xdd\xff\xff\xff\xff",
+        "blob_not_msgpack": _message([(shard, b"\xc1 no")]),
+        "slot_ref_out_of_range": cells((bucket, 9, 5, 0)),
+        "negative_value": cells((bucket, 0, -5, 0)),
+        "float_bucket": _message(
+            [(shard, msgpack.packb([["a/x1"], b"api:victim", [bucket + 0.5, 0, 5, 0]], use_bin_type=False))]),
+        "ragged_cells": _message([(shard, msgpack.packb([["a/x1"], b"api:victim", [bucket, 0, 5]], use_bin_type=False))]),
+        "value_2_62": cells((bucket, 0, 2**62, 0)),
+        "floor_2_62": cells((bucket, 0, 64, 2**62)),
+        "unconfigured_region_slot": cells((bucket, 0, 5, 0), slots=("mallory/1",)),
+        "more_in_receivers_own_slot": cells((bucket, 0, 10**6 * 64, 0), slots=(own,)),
+        "floor_above_receivers_own_count": cells((bucket, 0, 0, 10**6 * 64), slots=(own,)),
+        "duplicate_slot_ids": cells((bucket, 0, 5, 0), slots=("a/x1", "a/x1")),
+        "too_many_new_slot_ids": cells((bucket, 0, 5, 0), slots=tuple(f"a/n{i}" for i in range(40))),
+        "one_bad_blob_of_two": _message([
+            (shard, _blob([(bucket, 0, 5, 0)], ["a/x1"])),
+            (shard, _blob([(bucket, 0, 2**62, 0)], ["a/x1"], b"other")),
+        ]),
     }
 
 
 MALFORMED = [
-    "not_msgpack", "truncated", "not_a_map", "bad_version", "bad_kind", "slot_index_out_of_range",
-    "rule_index_out_of_range", "negative_value", "float_bucket", "ragged_cells", "subject_not_bytes",
-    "sender_mismatch", "huge_array_header",
+    "not_msgpack", "truncated", "not_a_map", "bad_version", "bad_kind", "sender_mismatch", "addressed_elsewhere",
+    "other_shard_count", "blob_not_bytes", "shard_out_of_range", "huge_array_header", "blob_not_msgpack",
+    "slot_ref_out_of_range", "negative_value", "float_bucket", "ragged_cells", "value_2_62", "floor_2_62",
+    "unconfigured_region_slot", "more_in_receivers_own_slot", "floor_above_receivers_own_count", "duplicate_slot_ids", "too_many_new_slot_ids",
+    "one_bad_blob_of_two",
 ]
 
 
@@ -147,7 +184,7 @@ async def test_malformed_messages_get_400_and_change_nothing(target: Regions, ca
     client = target["b"].client()
     before = dump_all(client)
     body = _malformed(target)[case]
-    status, reply = await _post(target, body, _signer(target).headers(body))
+    status, reply = await _post(target, body, _signer(target).headers(body, "b"))
     assert status == 400, (case, reply)
     assert reply["reason"] == "decode"
     assert dump_all(client) == before
@@ -156,11 +193,20 @@ async def test_malformed_messages_get_400_and_change_nothing(target: Regions, ca
 async def test_cells_of_a_rule_with_another_structure_are_ignored(target: Regions) -> None:
     client = target["b"].client()
     before = dump_all(client)
-    message = wire.Message(
-        kind="delta", sender="a", rules={"api": (20_000_000, 1_000_000)},
-        cells=[("api", b"victim", 1, "a/x1", 5, 0)],
-    )
-    body = wire.encode(message)
-    status, _ = await _post(target, body, _signer(target).headers(body))
+    cells = [("api", b"victim", 1, "a/x1", 5, 0)]
+    body = _message(blobs_from_cells(KeyLayout(), cells), rules={"api": (20_000_000, 1_000_000)})
+    status, _ = await _post(target, body, _signer(target).headers(body, "b"))
     assert status == 200
+    after = dump_all(client)
+    assert after.pop(b"gl#seen:{b}:a") != before.pop(b"gl#seen:{b}:a", None)  # accepted: its seq is recorded
+    assert after == before
+
+
+async def test_a_message_for_another_region_is_refused_even_with_a_valid_signature(target: Regions) -> None:
+    """The signature covers the destination: a message captured on its way to c is useless at b."""
+    client = target["b"].client()
+    before = dump_all(client)
+    body = _delta(target)
+    status, reply = await _post(target, body, _signer(target).headers(body, "c"))
+    assert status == 401, reply
     assert dump_all(client) == before

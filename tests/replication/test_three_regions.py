@@ -61,9 +61,14 @@ async def test_partial_partition_converges_through_the_third_region(redis_server
         rs.cut("a", "b")
         rs["a"].app().hit("api", "k", cost=5)
         rs["b"].app().hit("api", "k", cost=3)
-        await rs.step(rounds=15)  # 1.5 s: c learns that b (and a) cannot deliver and relays
+        await rs.step(rounds=15)  # 1.5 s: c learns that b and a cannot deliver and repairs them
         for name in "abc":
             assert rs[name].app().usage("api", "k").by_region == {"a": 5, "b": 3}, name
+        rs["a"].app().hit("api", "k", cost=2)  # now c relays as soon as it merges
+        rs["b"].app().hit("api", "k", cost=1)
+        await rs.step(rounds=2)
+        for name in "abc":
+            assert rs[name].app().usage("api", "k").by_region == {"a": 7, "b": 4}, name
         assert rs["c"].agent.engine.stats["relayed"] > 0  # type: ignore[union-attr]
 
 

@@ -85,7 +85,7 @@ async def test_metrics_cover_decisions_gossip_and_rejections(start_agent: StartA
     async with session.post(agent.url + "/v1/gossip", data=b"forged") as resp:
         assert resp.status == 401
     body = b"\x00 not msgpack"
-    signed = Signer(agent.config.secret, "b").headers(body)
+    signed = Signer(agent.config.secret, "b").headers(body, "a")
     async with session.post(agent.url + "/v1/gossip", data=body, headers=signed) as resp:
         assert resp.status == 400
 

@@ -221,6 +221,15 @@ BAD_VALUES = [
     pytest.param(("region", "redis_url"), "http://127.0.0.1:6379", "region.redis_url", id="redis-scheme"),
     pytest.param(("region", "on_error"), "ignore", "region.on_error", id="on-error"),
     pytest.param(("region", "shards"), 0, "region.shards", id="shards"),
+    pytest.param(("region", "redis_timeout"), 0, "region.redis_timeout", id="zero-redis-timeout"),
+    pytest.param(("region", "redis_timeout"), -1.5, "region.redis_timeout", id="negative-redis-timeout"),
+    pytest.param(("region", "redis_timeout"), float("nan"), "region.redis_timeout", id="nan-redis-timeout"),
+    pytest.param(("region", "redis_timeout"), "quickly", "region.redis_timeout", id="redis-timeout-not-a-duration"),
+    pytest.param(("region", "redis_timeout"), True, "region.redis_timeout", id="bool-redis-timeout"),
+    pytest.param(("region", "redis_timeout"), 61, "region.redis_timeout must be at most 60 seconds",
+                 id="redis-timeout-too-long"),
+    pytest.param(("region", "redis_timeout"), "2m", "region.redis_timeout must be at most 60 seconds",
+                 id="redis-timeout-duration-too-long"),
     pytest.param(("log", "format"), "xml", "log.format", id="log-format"),
     pytest.param(("log", "level"), "loud", "log.level", id="log-level"),
     pytest.param(("rule", 0, "limit"), "1000 per fortnight", "rule 'api'", id="bad-rate"),
@@ -240,6 +249,20 @@ def test_bad_values_are_refused(tmp_path: Path, secret: bytes, path: tuple[str |
     data = valid()
     _set(data, path, value)
     assert expected in refused(tmp_path, data)
+
+
+def test_redis_timeout_defaults_to_one_second(tmp_path: Path, secret: bytes) -> None:
+    assert load(tmp_path, valid()).redis_timeout == 1.0
+
+
+@pytest.mark.parametrize(("value", "seconds"), [(2.5, 2.5), (3, 3.0), ("250ms", 0.25), ("1m", 60.0), (60, 60.0)])
+def test_redis_timeout_takes_seconds_or_a_duration(tmp_path: Path, secret: bytes, value: object,
+                                                   seconds: float) -> None:
+    data = valid()
+    data["region"]["redis_timeout"] = value
+    config = load(tmp_path, data)
+    assert config.redis_timeout == seconds
+    assert isinstance(config.redis_timeout, float)
 
 
 def test_api_listen_cannot_be_the_gossip_address(tmp_path: Path, secret: bytes) -> None:

@@ -17,8 +17,8 @@ every cell of the region is held (value for value) by at least one other region:
 with ``sync=True`` the harness first heals everything and runs rounds (at most
 ``rounds_bound``) until that holds, then restores the partitions, faults and
 jitter; with ``sync=False`` the wipe is skipped when it does not hold. Either way
-the truth stays exact. (Drained cells also survive a wipe in the agent's outboxes;
-the condition ignores that and is only stricter.)
+the truth stays exact. (The outboxes live in the same Redis, so a wipe loses
+them too: the condition covers that.)
 """
 
 from __future__ import annotations
@@ -115,11 +115,11 @@ def rounds_bound(schedule: Schedule) -> int:
     """Gossip rounds after the final heal within which every view must be exact.
 
     The slowest repair the protocol promises: a retry after the longest backoff, a
-    heartbeat, a deferred relay's deadline, a few one-way latencies, plus one
+    heartbeat, a relay's detour (the sender reports the failure at its next message), a few one-way latencies, plus one
     periodic anti-entropy (interval +20 % jitter) for what only anti-entropy finds.
     """
     e = EngineSettings(interval=INTERVAL)
-    slack = e.max_backoff + e.heartbeat + e.relay_grace * max(e.interval, e.heartbeat) + 4 * schedule.latency
+    slack = e.max_backoff + e.heartbeat + 3 * max(e.interval, e.heartbeat) + 4 * schedule.latency
     return math.ceil((slack + 1.2 * schedule.ae_interval) / INTERVAL)
 
 
@@ -298,14 +298,14 @@ class Harness:
         diff = {n: dict(sorted(d.items())[:8]) for n, d in self.differences(views).items()}
         cells = {n: len(flat(c)) for n, c in views.items()}
         peers = {
-            n: {p: (len(s.outbox), s.failures, s.ae_needed, s.ae_ok, len(s.deferred))
+            n: {p: (s.queued, s.failures, s.ae_needed, s.ae_ok, len(s.flying))
                 for p, s in r.engine.peers.items()}
             for n, r in self.sim.regions.items()
         }
         raise Violation(
             f"not converged {rounds_bound} rounds after the final heal "
             f"(region: key: (seen, truth)): {diff}; cells per region: {cells}; "
-            f"peers (outbox, failures, ae_needed, ae_ok, deferred): {peers}"
+            f"peers (outbox, failures, ae_needed, ae_ok, in flight): {peers}"
         )
 
     async def check_usage(self) -> None:

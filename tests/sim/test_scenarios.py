@@ -11,6 +11,8 @@ import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import msgpack
+
 from geolimit.replication import wire
 from geolimit.replication.gossip import GossipEngine
 from geolimit.sim import Faults
@@ -42,10 +44,28 @@ async def test_a_partial_partition_converges_through_the_third_region(sim_redis:
         rounds = await h.converge(rounds_bound=20, heal=False)  # a and b stay cut: only c can carry
         assert h.sim.network.is_cut("a", "b")
         assert h.sim.network.link("a", "b").refused > 0
-        assert h.sim.regions["c"].engine.stats["relayed"] > 0
         for name in "abc":
             usage = await h.sim.regions[name].limiter.usage("fine", SUBJECT)
             assert usage.by_region == {"a": 5, "b": 3}, (name, rounds)
+        # c now knows the a-b link is down: later hits are relayed as c merges them.
+        await h.hit("a", SUBJECT, ["fine"], 2)
+        await h.hit("b", SUBJECT, ["fine"], 1)
+        rounds = await h.converge(rounds_bound=20, heal=False)
+        assert h.sim.regions["c"].engine.stats["relayed"] > 0
+        for name in "abc":
+            usage = await h.sim.regions[name].limiter.usage("fine", SUBJECT)
+            assert usage.by_region == {"a": 7, "b": 4}, (name, rounds)
+
+
+def unblob(blobs: list[tuple[int, bytes]]) -> list[wire.Cell6]:
+    out: list[wire.Cell6] = []
+    for _, blob in blobs:
+        slots, *body = msgpack.unpackb(blob, raw=True)
+        for suffix, flat in zip(body[::2], body[1::2], strict=True):
+            rule, _, subject = suffix.partition(b":")
+            for i in range(0, len(flat), 4):
+                out.append((rule.decode(), subject, flat[i], slots[flat[i + 1]].decode(), flat[i + 2], flat[i + 3]))
+    return out
 
 
 class Recorder:
@@ -57,7 +77,7 @@ class Recorder:
         self.stale = 0  # cells that arrived lower than a value this region had already received
 
     async def receive(self, msg: wire.Message) -> wire.Message:
-        for rule, subject, bucket, slot, value, _ in msg.cells:
+        for rule, subject, bucket, slot, value, _ in unblob(msg.blobs):
             key = (self.engine.region, (rule, subject, bucket, slot))
             if value < self.arrivals.get(key, 0):
                 self.stale += 1
@@ -115,12 +135,12 @@ async def test_an_agent_restart_loses_nothing(sim_redis: str) -> None:
         await h.hit("a", SUBJECT, ["fine", "coarse"], 7)
         await h.sim.advance(3 * INTERVAL)  # a's agent drains the change into its outboxes; sends fail
         engine = h.sim.regions["a"].engine
-        assert all(len(p.outbox) for p in engine.peers.values())
+        assert all(p.queued for p in engine.peers.values())
         client = h.sim.regions["a"].limiter.store.client()
         assert [k async for k in client.scan_iter(match=b"gl:{*}#c")] == []  # drained: Redis forgot the change
         for name in "bc":
             assert await h.sim.cells(name) == {}
-        await h.sim.restart_agent("a")  # the outboxes are gone
+        await h.sim.restart_agent("a")  # the agent's memory is gone; its outboxes are in Redis
         assert h.sim.regions["a"].engine is not engine
         h.sim.network.rejoin("a")
         await h.converge(rounds_bound=10, heal=False)
@@ -138,26 +158,29 @@ async def test_hits_before_the_first_round_replicate_through_the_initial_anti_en
         assert {n: (await sim.regions[n].limiter.usage("coarse", SUBJECT)).total for n in "abc"} == dict.fromkeys("abc", 9)
 
 
-async def test_a_wipe_loses_exactly_the_hits_that_no_agent_had_drained(sim_redis: str) -> None:
+async def test_a_wipe_loses_exactly_the_hits_that_no_peer_had_received(sim_redis: str) -> None:
     """Why the property tests only wipe a region whose cells are held elsewhere.
 
-    Drained cells wait in the agent's outboxes (memory), so they survive the wipe;
-    hits not yet drained existed only in the wiped Redis and are gone for good.
+    Hits that no peer had received existed only in the wiped Redis (their outbox
+    entries too) and are gone for good; what the peers hold comes back.
     """
     async with harness(sim_redis) as h:
         await h.hit("a", SUBJECT, ["coarse"], 2)
         await h.sim.advance(0.5)  # replicated
         h.sim.network.isolate("a")
+        before = dict(h.truth)
         await h.hit("a", SUBJECT, ["coarse"], 5)
-        await h.sim.advance(0.5)  # drained into a's outboxes, undeliverable
-        await h.sim.hit("a", "coarse", SUBJECT, 3)  # not drained: only a's Redis holds these (not in the truth)
+        (queued,) = [k for k, v in h.truth.items() if v != before.get(k, 0)]
+        await h.sim.advance(0.5)  # queued in a's outboxes (in a's Redis), undeliverable
+        await h.sim.hit("a", "coarse", SUBJECT, 3)  # only a's Redis holds these
         assert [c[4] // 64 for c in await h.missing_elsewhere("a")] == [10]
         await h.sim.wipe("a")
+        h.truth[queued] -= 5  # the 5 queued (and the 3 new) are gone with the wipe
         await h.check_safety()
         h.sim.network.rejoin("a")
         await h.converge(rounds_bound=10, heal=False)
         for name in "abc":
-            assert (await h.sim.regions[name].limiter.usage("coarse", SUBJECT)).by_region == {"a": 7}, name
+            assert (await h.sim.regions[name].limiter.usage("coarse", SUBJECT)).by_region == {"a": 2}, name
 
 
 async def test_a_wipe_during_a_running_anti_entropy_is_still_repaired_at_once(sim_redis: str) -> None:

@@ -13,7 +13,7 @@ from geolimit import AsyncLimiter, ManualClock, Rule
 from geolimit.core.decision import to_rule_decision
 from geolimit.core.gcounter import Cell
 from geolimit.core.model import ModelStore
-from geolimit.replication.redis_io import ReplicationStore
+from geolimit.replication.redis_io import ReplicationStore, blobs_from_cells
 
 RULES = [
     Rule("pred", 14, 4, 1),
@@ -39,7 +39,8 @@ ops = st.lists(
 async def setup(redis_url: str) -> AsyncIterator[tuple[AsyncLimiter, ReplicationStore, ManualClock]]:
     clock = ManualClock(1_700_000_000.0)
     limiter = AsyncLimiter.from_url(redis_url, region="north", rules=RULES, clock=clock)
-    store = ReplicationStore(limiter.store, limiter.layout, "north", limiter.rules, b"n0", now_us=clock.now_us)
+    store = ReplicationStore(limiter.store, limiter.layout, "north", limiter.rules, b"n0", now_us=clock.now_us,
+                             peers=PEERS)
     yield limiter, store, clock
     await limiter.aclose()
 
@@ -69,7 +70,8 @@ async def test_decisions_with_peers_match_the_model(
             key = (rule.name, peer, bucket)
             remote_totals[key] = remote_totals.get(key, 0) + cost
             value = remote_totals[key] * 64 + 3  # stored as count * 64 + first-admission offset
-            await store.merge([(rule.name, subject, bucket, f"{peer}/i1", value, 0)])
+            cells = [(rule.name, subject, bucket, f"{peer}/i1", value, 0)]
+            await store.merge_blobs(blobs_from_cells(limiter.layout, cells), peer)
             model.merge(rule.name, subject, {bucket: {f"{peer}/i1": Cell(value, 0)}})
         else:
             assert isinstance(rule, Rule)

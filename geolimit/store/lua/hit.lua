@@ -5,6 +5,9 @@
 --   consume (1|0), cost, nrules, then per rule: limit, res_us, N, M, ttl_ms,
 --   approx (1|0), predict (1|0), partition (0 local|1 share|2 closed), partition_after_us
 -- Returns per request: allowed, then per rule: allowed, used, retry_us, reset_us.
+-- Every number written to Redis goes through fmt: a Lua number passed to
+-- redis.call is formatted with %.17g (and as '6.4e+09' by Redis 7.2.0-7.2.4).
+local function fmt(x) return string.format('%d', x) end
 local now = clock(ARGV[1])
 local region, nonce = ARGV[2], ARGV[3]
 local out = {}
@@ -51,12 +54,12 @@ for _ = 1, tonumber(ARGV[4]) do
       value = value + cost * SUB
       if h == nil or c > h then
         if #r[12] > 0 then chunked('HDEL', key, r[12], 1000) end
-        call('HSET', key, 'h', c, c % M, value)
+        call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value))
         call('PEXPIRE', key, r[9])
       else
-        call('HSET', key, c % M, value)
+        call('HSET', key, fmt(c % M), fmt(value))
       end
-      if track then call('HSETNX', chg, key, c) end
+      if track then call('HSETNX', chg, key, fmt(c)) end
     end
   end
   out[#out + 1] = res_all and 1 or 0

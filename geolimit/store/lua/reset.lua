@@ -4,6 +4,8 @@
 -- KEYS: registry, changed, peers, then the data keys.
 -- ARGV: now_us|'', region, nonce, then per key: res_us, N, M.
 -- Returns per key the count in the window that was forgotten.
+-- Every number written to Redis goes through fmt (exact integers, never '1e+17').
+local function fmt(x) return string.format('%d', x) end
 local now = clock(ARGV[1])
 local track = tracking(KEYS[1], ARGV[2], ARGV[3], now)
 local out = {}
@@ -28,15 +30,15 @@ for j = 4, #KEYS do
       local f = tonumber(flat[i])
       if f and f >= 0 then
         local v = tonumber(flat[i + 1])
-        if v > (floors[f] or 0) then
-          set[#set + 1] = -f - 1
-          set[#set + 1] = v
+        if v and v > (floors[f] or 0) then
+          set[#set + 1] = fmt(-f - 1)
+          set[#set + 1] = fmt(v)
         end
       end
     end
     if #set > 0 then
       chunked('HSET', key, set, 1000)
-      if track then call('HSET', KEYS[2], key, -1) end
+      if track then call('HSET', KEYS[2], key, '-1') end
     end
   end
 end
