@@ -323,12 +323,16 @@ class GossipEngine:
         return acked is None or now - acked > 2 * self.settings.heartbeat + 2 * self.settings.interval
 
     def _relays(self, source: PeerState, now: float) -> list[str]:
-        """The peers that cells from ``source`` are relayed to: those it cannot reach.
+        """The peers that cells from ``source`` are relayed to: every other peer.
 
-        ``source`` delivers to every other peer itself (its outboxes are durable),
-        so a healthy mesh carries no relay traffic.
+        ``source`` delivers to every peer itself (its outboxes are durable), so in
+        a healthy mesh a relay is a duplicate, and a duplicate raises nothing and
+        goes no further. Relaying only to peers the source reports failing saves
+        that traffic but depends on when the report arrives (a partial partition
+        was then repaired only by anti-entropy, seconds later), so every increase
+        is relayed until a cheaper rule is proven against the real-network test.
         """
-        return [p for p in self.peers if p != source.name and self._link_down(source, p, now)]
+        return [p for p in self.peers if p != source.name]
 
     def _note_reach(self, peer: PeerState, msg: wire.Message, now: float) -> None:
         # A link of the sender's that just went down may have swallowed cells we

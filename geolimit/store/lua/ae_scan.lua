@@ -4,15 +4,22 @@
 --   leaves per shard L, shards, max keys, max fields, big key fields, leaf
 --   bitmap ('l' only: bit g of byte g // 8, lowest bit first), rules (n, then
 --   per rule: name, res_us, N, M, F), registries (n, then per shard: shard,
---   nslots, then per slot: index, code1, code2), cursor (last, so the caller
---   can encode the rest once)
+--   nslots, then per slot: index, code1, code2), part, parts, cursor (last, so
+--   the caller can encode the rest once)
+-- Parts: SCAN visits buckets in increasing bit-reversed cursor order whatever
+-- the table's size, so the lowest log2(parts) bits of a cursor, reversed, say
+-- which part of the iteration it is in. Part p starts at cursor reverse(p) and
+-- ends where part p + 1 starts (the last part: when the cursor wraps to 0);
+-- the script returns cursor 0 at the end of its part. Parts > 1 only for
+-- tables of at least `parts` buckets.
 -- Visits keys with SCAN (whole batches, COUNT 32) until it has read max keys,
 -- or max fields, or visited 4 x max keys. Keys of unknown rules or shards are skipped; keys with
 -- more than big-key fields are not read but returned in `big`, for ae_key.lua.
--- Reply: {cursor, keys visited, out, big}
+-- Reply: {cursor (0: this part is done), keys visited, out, big, microseconds}
 --   'd': out = {leaf, digest, ...} (global leaf = shard * L + leaf)
 --   'l': out = {shard, rule:subject, digest, ...} for keys in the bitmap's leaves
 --   big = {key, leaf, ...}. Keys without a live non-zero cell are left out.
+local t0 = call('TIME')
 local mode, now = ARGV[1], tonumber(ARGV[2])
 local pattern, plen = ARGV[3], tonumber(ARGV[4])
 local L, want, budget, big_fields = tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -31,10 +38,7 @@ local band, lshift, byte, pcall = bit.band, bit.lshift, string.byte, redis.pcall
 local out, big, shardnums = {}, {}, {}
 local seen, visited, fields = 0, 0, 0
 local start = plen + 3
-repeat
-  local r = call('SCAN', cursor, 'MATCH', pattern, 'COUNT', 32)
-  cursor = r[1]
-  local batch = r[2]
+local function process(batch)
   visited = visited + #batch
   for i = 1, #batch do
     local key = batch[i]
@@ -85,5 +89,56 @@ repeat
       end
     end
   end
+end
+
+-- This stream's part of the SCAN (see the header).
+local part, parts = tonumber(ARGV[#ARGV - 2]), tonumber(ARGV[#ARGV - 1])
+local bits = 0
+while 2 ^ bits < parts do bits = bits + 1 end
+local function part_of(cur)
+  local low, r = cur % parts, 0
+  for _ = 1, bits do
+    r = r * 2 + low % 2
+    low = (low - low % 2) / 2
+  end
+  return r
+end
+local last = part == parts - 1
+local boundary = -1
+if not last then
+  local low, r = part + 1, 0
+  for _ = 1, bits do
+    r = r * 2 + low % 2
+    low = (low - low % 2) / 2
+  end
+  boundary = r
+end
+-- May a batch that ended at cursor nxt be kept whole (all its buckets ours)?
+local function inside(nxt)
+  return last or (nxt ~= 0 and part_of(nxt) == part)
+end
+
+repeat
+  local r = call('SCAN', cursor, 'MATCH', pattern, 'COUNT', 32)
+  if inside(tonumber(r[1])) then
+    process(r[2])
+    cursor = r[1]
+  else
+    -- That batch may hold keys of the next part: redo the end of ours with
+    -- COUNT 1, which returns the keys of one bucket (after empty ones).
+    while true do
+      r = call('SCAN', cursor, 'MATCH', pattern, 'COUNT', 1)
+      local nxt = tonumber(r[1])
+      if inside(nxt) then
+        process(r[2])
+        cursor = r[1]
+      else
+        if nxt == boundary then process(r[2]) end
+        cursor = '0'
+        break
+      end
+    end
+  end
 until cursor == '0' or seen >= want or fields >= budget or visited >= 4 * want
-return {cursor, visited, out, big}
+local t1 = call('TIME')
+return {cursor, visited, out, big, (t1[1] - t0[1]) * 1000000 + (t1[2] - t0[2])}
