@@ -71,7 +71,8 @@ for j = 2, #KEYS do
   local suffix = sub(key, find(key, '}', 1, true) + 2)
   local whole = false
   if pos == 0 then
-    local len = call('HLEN', key)
+    local len = redis.pcall('HLEN', key)
+    if type(len) ~= 'number' then len = 0 end  -- not a hash: no cells
     if len <= big_fields then
       if used > 0 and used + len > budget then
         stopped = true

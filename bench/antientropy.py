@@ -1,0 +1,505 @@
+"""Anti-entropy at scale: two regions with the same N live keys each (default 1M).
+
+    python bench/antientropy.py [--keys 1000000] [--diff 0.01] [--page-keys 256] [--json PATH]
+
+Starts two redis-servers (one per region, embedded), fills both with the same
+keys (rule "api", 2 slots x 2 buckets per key, stored at different slot
+indices in each region), then measures, with a same-run baseline:
+
+* the pass time of one anti-entropy exchange with no differences (target: at
+  most 10 s at 1M keys); baseline: a bare redis-py SCAN + pipelined HGETALL
+  over the same keys of one region (what reading every live key in Python
+  costs, before any digesting);
+* bytes exchanged (every payload and reply msgpack-encoded, as a transport would);
+* with ``--diff`` of the keys made to differ (missing keys and cells, lower
+  values, in both directions), that runs repair them (target: within 2 runs)
+  and that the next run finds no difference; every changed key is compared
+  cell by cell by slot id afterwards;
+* check latency: a separate process calls the decision script (hit.lua, one
+  EVALSHA per call, alternating regions) the whole time; p50/p99 during each
+  exchange against the same loop while nothing else runs (target p99 < 5 ms);
+* the event-loop lag of the process running both sides of the exchange.
+
+Repairs are applied with a plain Python max-merge (``--merge naive``, default)
+or with the agent's ``ReplicationStore.merge_blobs`` (``--merge store``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import redis
+import redis.asyncio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from geolimit import Limiter, Rule
+from geolimit.core.keys import KeyLayout
+from geolimit.core.window import read_key
+from geolimit.replication.antientropy import AntiEntropy, AntiEntropyResult
+from geolimit.store.connect import open_async_store
+from geolimit.store.embedded import EmbeddedRedis
+
+API = Rule("api", 10**6, 600, 60)  # N = 10, F = 1, M = 12: keys stay live for minutes
+CHECK = Rule("chk", 10**9, 10, 1)  # the decision loop's rule (not compared by anti-entropy)
+LAYOUT = KeyLayout("gl", 64)
+SLOT_A, SLOT_B = b"a/i1", b"b/i2"
+
+# Writes the bench's keys: per key, slot a in buckets c and c-1, slot b in c and c-2.
+FILL = """
+local c, M, ia, ttl, base = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
+local ib = 1 - ia
+for j = 6, #ARGV do
+  local i = base + j - 6
+  local key = ARGV[j]
+  redis.call('HSET', key, 'h', c,
+    ia * M + c % M, 64 * (1 + i % 89) + i % 64, ia * M + (c - 1) % M, 64 * (1 + i % 53),
+    ib * M + c % M, 64 * (1 + i % 31) + 7, ib * M + (c - 2) % M, 64 * (2 + i % 17))
+  redis.call('PEXPIRE', key, ttl)
+end
+return #ARGV - 5
+"""
+
+
+def subject(i: int) -> bytes:
+    return b"user:%d" % i
+
+
+def data_key(i: int) -> bytes:
+    return LAYOUT.data_key("api", subject(i))
+
+
+def registry(client: redis.Redis, own: bytes, other: bytes) -> None:
+    pipe = client.pipeline(transaction=False)
+    for s in range(LAYOUT.shards):
+        pipe.hset(LAYOUT.registry_key(s), mapping={"@": own.split(b"/")[1], "#": 2, own: 0, other: 1})
+    pipe.execute()
+
+
+def fill(client: redis.Redis, keys: int, c: int, own_index_of_a: int) -> float:
+    started = time.perf_counter()
+    script = client.register_script(FILL)
+    batch = 5000
+    for lo in range(0, keys, batch):
+        names = [data_key(i) for i in range(lo, min(keys, lo + batch))]
+        script(args=[c, API.ring, own_index_of_a, 15 * 60 * 1000, lo, *names])
+    return time.perf_counter() - started
+
+
+def baseline_scan(client: redis.Redis) -> tuple[float, int]:
+    """Bare redis-py: SCAN every data key, HGETALL them pipelined 1000 at a time."""
+    started = time.perf_counter()
+    n = 0
+    batch: list[bytes] = []
+
+    def flush() -> None:
+        nonlocal n
+        pipe = client.pipeline(transaction=False)
+        for key in batch:
+            pipe.hgetall(key)
+        n += sum(1 for fields in pipe.execute() if fields)
+        batch.clear()
+
+    for key in client.scan_iter(match=b"gl:{*}:*", count=1000):
+        batch.append(key)
+        if len(batch) >= 1000:
+            flush()
+    if batch:
+        flush()
+    return time.perf_counter() - started, n
+
+
+# -- the decision loop (a separate process: an app) ------------------------------------
+
+
+def checker(urls: list[str], stop: Any, out: Any, rate: float) -> None:
+    """Decision calls at random (Poisson) times, alternating regions; records (time, latency)."""
+    limiters = [Limiter.from_url(u, region, [CHECK]) for u, region in zip(urls, ("a", "b"), strict=True)]
+    rng = random.Random(1)
+    samples: list[tuple[float, float]] = []
+    i = 0
+    while not stop.is_set():
+        time.sleep(rng.expovariate(rate))
+        lim = limiters[i % 2]
+        i += 1
+        t0 = time.perf_counter()
+        lim.hit("chk", b"s%d" % rng.randrange(1000))
+        t1 = time.perf_counter()
+        samples.append((time.time(), t1 - t0))
+    out.send(samples)
+
+
+def quantiles(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"n": 0}
+    s = sorted(xs)
+
+    def pick(q: float) -> float:
+        return s[min(len(s) - 1, int(q * len(s)))]
+
+    return {"n": len(s), "p50_ms": statistics.median(s) * 1e3, "p99_ms": pick(0.99) * 1e3, "max_ms": s[-1] * 1e3}
+
+
+# -- repairs: a plain Python max-merge (or the agent's merge_blobs) ------------------------
+
+
+async def naive_merge(client: redis.asyncio.Redis, blobs: list[tuple[int, bytes]]) -> None:
+    """Max-merge blob cells (bench helper; the agent uses ReplicationStore.merge_blobs)."""
+    rules = {API.name: API}
+    for shard, blob in blobs:
+        obj = msgpack.unpackb(blob, raw=True)
+        slots = obj[0]
+        reg = LAYOUT.registry_key(shard)
+        known = await client.hgetall(reg)
+        index = {}
+        for sid in slots:
+            if sid not in known:
+                n = await client.hincrby(reg, "#", 1) - 1
+                await client.hset(reg, sid, n)
+                known[sid] = b"%d" % n
+            index[sid] = int(known[sid])
+        for i in range(1, len(obj), 2):
+            suffix, cells = obj[i], obj[i + 1]
+            rule = rules[suffix.partition(b":")[0].decode()]
+            key = LAYOUT.tag(shard) + b":" + suffix
+            fields = await client.hgetall(key)
+            head = int(fields[b"h"]) if b"h" in fields else None
+            writes: dict[bytes, int] = {}
+            top = max(cells[0::4])
+            if head is None or top > head:
+                if head is not None and top - head < rule.ring:
+                    for b in range(head + 1, top + 1):
+                        for f in list(fields):
+                            if f != b"h":
+                                v = int(f)
+                                base = -v - 1 if v < 0 else v
+                                if base % rule.ring == b % rule.ring:
+                                    del fields[f]
+                                    await client.hdel(key, f)
+                elif head is not None:
+                    await client.delete(key)
+                    fields = {}
+                head = top
+                writes[b"h"] = head
+            for j in range(0, len(cells), 4):
+                b, ref, value, floor = cells[j : j + 4]
+                if b <= head - rule.ring:
+                    continue
+                f = index[slots[ref]] * rule.ring + b % rule.ring
+                for name, new in ((b"%d" % f, value), (b"%d" % (-f - 1), floor)):
+                    if new > int(fields.get(name, 0)) and new > writes.get(name, 0):
+                        writes[name] = new
+            if writes:
+                await client.hset(key, mapping=writes)  # type: ignore[arg-type]
+                await client.pexpire(key, rule.ttl_ms)
+
+
+def cells_by_slot(client: redis.Redis, i: int, now_us: int) -> dict[tuple[str, int], tuple[int, int]]:
+    key = data_key(i)
+    shard = LAYOUT.shard_of(subject(i))
+    registry: dict[bytes, bytes] = client.hgetall(LAYOUT.registry_key(shard))  # type: ignore[assignment]
+    names = {int(v): k.decode() for k, v in registry.items() if b"/" in k}
+    fields: dict[bytes, bytes] = client.hgetall(key)  # type: ignore[assignment]
+    view = read_key(fields, now_us // API.resolution_us, API.buckets, API.ring)
+    return {(names[s], b): cell for (s, b), cell in view.cells.items() if cell != (0, 0)}
+
+
+# -- CPU accounting (the machine is shared: say how busy it was with other work) ----------
+
+
+class CpuMeter:
+    """CPU seconds of the machine, this process, both redis-servers and the decision loop."""
+
+    def __init__(self, clients: list[redis.Redis], checker_pid: int | None) -> None:
+        self.clients = clients
+        self.checker_pid = checker_pid
+
+    def sample(self) -> dict[str, float]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        tick = os.sysconf("SC_CLK_TCK")
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / tick
+        own = os.times()
+        redis_cpu = 0.0
+        for client in self.clients:
+            info: dict[str, Any] = client.info("cpu")
+            redis_cpu += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+        checker_cpu = 0.0
+        if self.checker_pid is not None:
+            try:
+                with open(f"/proc/{self.checker_pid}/stat") as f:
+                    parts = f.read().rsplit(")", 1)[1].split()
+                checker_cpu = (int(parts[11]) + int(parts[12])) / tick
+            except OSError:
+                pass
+        return {"wall": time.monotonic(), "machine": busy, "agents": own.user + own.system,
+                "redis": redis_cpu, "check": checker_cpu}
+
+    @staticmethod
+    def cores(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        """Average cores used between two samples, by whom; "other": the rest of the machine."""
+        wall = after["wall"] - before["wall"]
+        used = {k: (after[k] - before[k]) / wall for k in ("machine", "agents", "redis", "check")}
+        used["other"] = max(0.0, used["machine"] - used["agents"] - used["redis"] - used["check"])
+        return {k: round(v, 2) for k, v in used.items()}
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+async def exchange(
+    initiator: AntiEntropy, lag: list[float], label: str, meter: CpuMeter, log: Callable[[str], None]
+) -> dict[str, Any]:
+    before = meter.sample()
+    await asyncio.sleep(0.02)  # let the lag monitor catch up with our own blocking calls
+    lag.clear()
+    t0 = time.time()
+    result = await initiator.run("b")
+    t1 = time.time()
+    loop_lag = quantiles(list(lag))
+    cores = meter.cores(before, meter.sample())
+    log(f"{label}: {result.seconds:.2f} s, our scan {result.scan_seconds:.2f} s, {result.keys_scanned} keys, "
+        f"{result.ranges_compared} ranges compared, {result.leaves_differing} leaves differ, "
+        f"{result.keys_differing} keys differ, {result.keys_received} fetched / {result.keys_sent} pushed, "
+        f"{result.steps} steps, truncated={result.truncated}; cores used {cores}")
+    return {"result": result, "window": (t0, t1), "loop_lag": loop_lag, "cores": cores}
+
+
+async def main_async(
+    args: argparse.Namespace, a: EmbeddedRedis, b: EmbeddedRedis, meter: CpuMeter, report: dict[str, Any]
+) -> None:
+    def log(text: str) -> None:
+        print(text, flush=True)
+
+    store_a = open_async_store(a.url, timeout=5.0)
+    store_b = open_async_store(b.url, timeout=5.0)
+    raw_a = redis.asyncio.Redis.from_url(a.url)
+    raw_b = redis.asyncio.Redis.from_url(b.url)
+    traffic = {"requests": 0, "request_bytes": 0, "reply_bytes": 0}
+    sides: dict[str, AntiEntropy] = {}
+
+    async def send(peer: str, payload: dict[str, Any]) -> dict[str, Any]:
+        body = msgpack.packb(payload, use_bin_type=True)
+        traffic["requests"] += 1
+        traffic["request_bytes"] += len(body)
+        reply = await sides[peer].handle("a" if peer == "b" else "b", msgpack.unpackb(body, raw=False))
+        out = msgpack.packb(reply, use_bin_type=True)
+        traffic["reply_bytes"] += len(out)
+        return msgpack.unpackb(out, raw=False)  # type: ignore[no-any-return]
+
+    if args.merge == "store":
+        from geolimit.replication.redis_io import ReplicationStore
+
+        rs_a = ReplicationStore(store_a, LAYOUT, "a", {"api": API}, b"bench0", peers=["b"])
+        rs_b = ReplicationStore(store_b, LAYOUT, "b", {"api": API}, b"bench1", peers=["a"])
+
+        async def merge_a(peer: str, blobs: list[tuple[int, bytes]]) -> None:
+            await rs_a.merge_blobs(blobs, peer)
+
+        async def merge_b(peer: str, blobs: list[tuple[int, bytes]]) -> None:
+            await rs_b.merge_blobs(blobs, peer)
+    else:
+        async def merge_a(peer: str, blobs: list[tuple[int, bytes]]) -> None:
+            await naive_merge(raw_a, blobs)
+
+        async def merge_b(peer: str, blobs: list[tuple[int, bytes]]) -> None:
+            await naive_merge(raw_b, blobs)
+
+    rules = {"api": API}
+    opts: dict[str, Any] = {"page_keys": args.page_keys, "page_ms": args.page_ms, "streams": args.streams,
+                            "duty": args.duty}
+    sides["a"] = AntiEntropy("a", store_a, LAYOUT, rules, send, merge_a, **opts)
+    sides["b"] = AntiEntropy("b", store_b, LAYOUT, rules, send, merge_b, **opts)
+
+    lag: list[float] = []
+    running = True
+
+    async def monitor() -> None:
+        while running:
+            t = time.perf_counter()
+            await asyncio.sleep(0.002)
+            lag.append(time.perf_counter() - t - 0.002)
+
+    mon = asyncio.ensure_future(monitor())
+
+    async def timed(label: str) -> dict[str, Any]:
+        before = dict(traffic)
+        phase = await exchange(sides["a"], lag, label, meter, log)
+        phase["traffic"] = {k: traffic[k] - before[k] for k in traffic}
+        return phase
+
+    phases: dict[str, Any] = {"no_diff": [await timed(f"no-diff run {n + 1}") for n in range(args.repeat)]}
+    if not args.quick:
+        # Make --diff of the keys differ, in both directions. Only copies of the
+        # other region's slot are lowered: a region's own slot only grows, and the
+        # agent's merge refuses a peer claiming more in it than it counted.
+        rng = random.Random(7)
+        changed = rng.sample(range(args.keys), max(5, int(args.keys * args.diff)))
+        sync_a, sync_b = redis.Redis.from_url(a.url), redis.Redis.from_url(b.url)
+        pa, pb = sync_a.pipeline(transaction=False), sync_b.pipeline(transaction=False)
+        c, m = report["bucket"], API.ring
+        kinds = dict.fromkeys(("b_missing_key", "a_missing_key", "b_missing_cell", "b_lower_value",
+                               "a_lower_value", "a_missing_cell"), 0)
+        for n, i in enumerate(changed):
+            key = data_key(i)
+            kind = list(kinds)[n % len(kinds)]
+            kinds[kind] += 1
+            if kind == "b_missing_key":  # a subject only region a counted: b never heard of it
+                pa.hdel(key, 1 * m + c % m, 1 * m + (c - 2) % m)  # a keeps only its own cells
+                pb.delete(key)
+            elif kind == "a_missing_key":
+                pb.hdel(key, 1 * m + c % m, 1 * m + (c - 1) % m)
+                pa.delete(key)
+            elif kind == "b_missing_cell":
+                pb.hdel(key, 1 * m + (c - 1) % m)  # slot a (index 1 in b), bucket c-1
+            elif kind == "b_lower_value":
+                pb.hset(key, 1 * m + c % m, 1)  # slot a (index 1 in b), bucket c
+            elif kind == "a_lower_value":
+                pa.hset(key, 1 * m + c % m, 1)  # slot b (index 1 in a), bucket c
+            else:
+                pa.hdel(key, 1 * m + (c - 2) % m)  # slot b (index 1 in a), bucket c-2
+        pa.execute()
+        pb.execute()
+        log(f"made {len(changed)} keys differ: {kinds}")
+        runs = []
+        for n in range(1, 4):
+            runs.append(await timed(f"repair run {n}"))
+            if runs[-1]["result"].in_sync:
+                break
+        phases["repair"] = runs
+        now_us = int(time.time() * 1e6)
+        unequal = [i for i in changed if cells_by_slot(sync_a, i, now_us) != cells_by_slot(sync_b, i, now_us)]
+        sample = rng.sample(range(args.keys), 2000)
+        unequal_sample = [i for i in sample if cells_by_slot(sync_a, i, now_us) != cells_by_slot(sync_b, i, now_us)]
+        phases["verify"] = {"changed_keys": len(changed), "changed_keys_unequal": len(unequal),
+                            "random_keys_checked": len(sample), "random_keys_unequal": len(unequal_sample),
+                            "kinds": kinds}
+        sync_a.close()
+        sync_b.close()
+    running = False
+    await mon
+    for side in sides.values():
+        await side.close()
+    for st in (store_a, store_b):
+        await st.close()
+    await raw_a.aclose()
+    await raw_b.aclose()
+    report["phases"] = phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--keys", type=int, default=1_000_000)
+    parser.add_argument("--diff", type=float, default=0.01, help="fraction of keys made to differ")
+    parser.add_argument("--page-keys", type=int, default=256, help="keys per script call, at most")
+    parser.add_argument("--page-ms", type=float, default=1.0, help="milliseconds per script call, about")
+    parser.add_argument("--streams", type=int, default=1, help="SCAN streams per region")
+    parser.add_argument("--duty", type=float, default=1.0, help="share of a Redis's time for anti-entropy")
+    parser.add_argument("--repeat", type=int, default=3, help="exchanges without differences")
+    parser.add_argument("--quick", action="store_true", help="only the exchanges without differences")
+    parser.add_argument("--check-rate", type=float, default=500.0, help="decision calls per second")
+    parser.add_argument("--merge", choices=("naive", "store"), default="naive")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    report: dict[str, Any] = {"keys": args.keys, "cpus": os.cpu_count(), "page_keys": args.page_keys}
+    with EmbeddedRedis() as a, EmbeddedRedis() as b:
+        ca, cb = redis.Redis.from_url(a.url), redis.Redis.from_url(b.url)
+        c = int(time.time() * 1e6) // API.resolution_us
+        report["bucket"] = c
+        registry(ca, SLOT_A, SLOT_B)
+        registry(cb, SLOT_B, SLOT_A)
+        fa = fill(ca, args.keys, c, 0)
+        fb = fill(cb, args.keys, c, 1)
+        print(f"filled {args.keys} keys per region in {fa:.1f} s + {fb:.1f} s "
+              f"({ca.info('memory')['used_memory_human']} per region)", flush=True)
+        meter = CpuMeter([ca, cb], None)
+        before = meter.sample()
+        base_s, base_n = baseline_scan(ca)
+        base_cores = meter.cores(before, meter.sample())
+        print(f"baseline: redis-py SCAN + pipelined HGETALL of {base_n} keys of one region: {base_s:.2f} s; "
+              f"cores used {base_cores}", flush=True)
+        report["baseline"] = {"seconds": base_s, "keys": base_n, "cores": base_cores}
+
+        stop = mp.Event()
+        recv, send = mp.Pipe(duplex=False)
+        proc = mp.Process(target=checker, args=([a.url, b.url], stop, send, args.check_rate), daemon=True)
+        proc.start()
+        meter.checker_pid = proc.pid
+        before = meter.sample()
+        idle_start = time.time()
+        time.sleep(4.0)  # the decision loop alone: its same-run baseline
+        idle_end = time.time()
+        idle_cores = meter.cores(before, meter.sample())
+        asyncio.run(main_async(args, a, b, meter, report))
+        stop.set()
+        samples: list[tuple[float, float]] = recv.recv()
+        proc.join(10)
+        ca.close()
+        cb.close()
+
+    def during(window: tuple[float, float]) -> dict[str, float]:
+        return quantiles([dt for t, dt in samples if window[0] <= t <= window[1]])
+
+    phases = report["phases"]
+    idle_q = during((idle_start + 0.5, idle_end))
+    print()
+    print(f"keys per region: {args.keys}; cpus: {os.cpu_count()}; page_keys: {args.page_keys}; "
+          f"page_ms: {args.page_ms}; streams: {args.streams}; duty: {args.duty}")
+    print(f"baseline (bare redis-py SCAN+HGETALL, one region): {report['baseline']['seconds']:.2f} s")
+    print(f"decision loop alone: p50 {idle_q.get('p50_ms', 0):.2f} ms, p99 {idle_q.get('p99_ms', 0):.2f} ms "
+          f"(n={idle_q['n']}); cores used {idle_cores}")
+
+    def row(label: str, phase: dict[str, Any]) -> dict[str, Any]:
+        res: AntiEntropyResult = phase["result"]
+        q = during(phase["window"])
+        tr = phase["traffic"]
+        print(f"{label}: {res.seconds:.2f} s, bytes {tr['request_bytes'] + tr['reply_bytes']:,} in "
+              f"{tr['requests']} requests, leaves differing {res.leaves_differing}, keys differing "
+              f"{res.keys_differing}, check p50 {q.get('p50_ms', 0):.2f} ms p99 {q.get('p99_ms', 0):.2f} ms "
+              f"max {q.get('max_ms', 0):.1f} ms (n={q['n']}), loop lag p99 {phase['loop_lag'].get('p99_ms', 0):.1f} ms "
+              f"max {phase['loop_lag'].get('max_ms', 0):.1f} ms, cores {phase['cores']}")
+        return {"result": {k: getattr(res, k) for k in res.__slots__},
+                "traffic": tr, "check": q, "loop_lag": phase["loop_lag"], "cores": phase["cores"]}
+
+    out: dict[str, Any] = {"args": vars(args) | {"json": str(args.json)}, "baseline": report["baseline"],
+                           "check_alone": idle_q, "check_alone_cores": idle_cores}
+    out["no_diff"] = [row(f"no-diff run {n + 1}", p) for n, p in enumerate(phases["no_diff"])]
+    out["repair"] = [row(f"repair run {n + 1}", p) for n, p in enumerate(phases.get("repair", []))]
+    out["verify"] = phases.get("verify")
+    if out["verify"]:
+        print(f"verify: {out['verify']}")
+    times = sorted(p["result"].seconds for p in phases["no_diff"])
+    median_s = statistics.median(times)
+    runs = phases.get("repair", [])
+    repaired_by = next((n for n, p in enumerate(runs) if p["result"].in_sync), None)
+    checks = [r["check"] for r in out["no_diff"]] + [r["check"] for r in out["repair"]]
+    worst_p99 = max(q.get("p99_ms", 0.0) for q in checks)
+    verdicts = {f"no-diff exchange <= 10 s (median of {len(times)}: {median_s:.2f} s)": median_s <= 10.0}
+    if runs:
+        verdicts[f"repaired within 2 runs (in sync at run {repaired_by + 1 if repaired_by is not None else '-'})"] = (
+            repaired_by is not None and repaired_by <= 2
+            and out["verify"]["changed_keys_unequal"] == 0 and out["verify"]["random_keys_unequal"] == 0
+        )
+    verdicts[f"check p99 < 5 ms during every exchange (worst {worst_p99:.2f} ms)"] = worst_p99 < 5.0
+    for what, ok in verdicts.items():
+        print(f"{'PASS' if ok else 'MISS'}  {what}")
+    out["verdicts"] = verdicts
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,620 @@
+"""Anti-entropy (geolimit.replication.antientropy) against real Redis servers.
+
+Two regions are two redis-servers; ``send`` calls the other side's ``handle``
+directly (through msgpack, as the transport would). Repairs are applied by a
+test-only max-merge (``Region.merge``) until the agent's merge is wired in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+import redis.cluster
+
+from geolimit.core.keys import KeyLayout
+from geolimit.core.rule import Rule
+from geolimit.core.window import read_key
+from geolimit.errors import ProtocolError
+from geolimit.replication import antientropy
+from geolimit.replication.antientropy import (
+    MAX_BLOB_CELLS,
+    AntiEntropy,
+    AntiEntropyResult,
+    _Local,
+    _Plan,
+    _Progress,
+    check_blob,
+    digest_of_cells,
+    key_seed,
+    leaves_per_shard,
+)
+from geolimit.store.async_store import AsyncStore
+from geolimit.store.connect import open_async_store
+from geolimit.store.embedded import EmbeddedRedis
+
+Factory = Callable[..., EmbeddedRedis]
+API = Rule("api", 1000, 60, 6)  # N = 10, F = 1, M = 12
+HOUR = Rule("hour", 10**9, 3600, 1)  # N = 3600, F = 2, M = 3603
+RULES = {"api": API, "hour": HOUR}
+NOW = time.time()
+NOW_US = int(NOW * 1_000_000)
+Cell = tuple[int, str, int, int]  # bucket, slot id, value, floor
+
+
+def bucket(rule: Rule, back: int = 0) -> int:
+    return NOW_US // rule.resolution_us - back
+
+
+class Region:
+    """One region's Redis: raw writes by slot id, live cells by slot id, a test max-merge."""
+
+    def __init__(self, name: str, client: Any, store: AsyncStore, layout: KeyLayout) -> None:
+        self.name = name
+        self.client = client  # redis.Redis or redis.cluster.RedisCluster (sync)
+        self.store = store
+        self.layout = layout
+        self.merged: list[tuple[str, int]] = []  # (peer, blobs) of every merge call
+
+    def index(self, shard: int, slot: str) -> int:
+        reg = self.layout.registry_key(shard)
+        if not self.client.hexists(reg, "@"):
+            self.client.hset(reg, mapping={"@": "i0", "#": 1, f"{self.name}/i0": 0})
+        got = self.client.hget(reg, slot)
+        if got is None:
+            got = self.client.hincrby(reg, "#", 1) - 1
+            self.client.hset(reg, slot, got)
+        return int(got)
+
+    def put(self, rule: Rule, subject: bytes, cells: Iterable[Cell], head: int | None = None) -> None:
+        """Write cells as they are (no merge), the head at the newest bucket unless given."""
+        cells = list(cells)
+        shard = self.layout.shard_of(subject)
+        key = self.layout.data_key(rule.name, subject)
+        fields: dict[str, int] = {"h": head if head is not None else max(c[0] for c in cells)}
+        for b, slot, value, floor in cells:
+            f = self.index(shard, slot) * rule.ring + b % rule.ring
+            if value:
+                fields[str(f)] = value
+            if floor:
+                fields[str(-f - 1)] = floor
+        self.client.delete(key)
+        for start in range(0, len(fields), 5000):
+            chunk = dict(list(fields.items())[start : start + 5000])
+            self.client.hset(key, mapping=chunk)
+
+    def cells(self, rule: Rule, subject: bytes) -> dict[tuple[str, int], tuple[int, int]]:
+        """Live non-zero cells by (slot id, bucket)."""
+        shard = self.layout.shard_of(subject)
+        registry = self.client.hgetall(self.layout.registry_key(shard))
+        names = {int(v): k.decode() for k, v in registry.items() if b"/" in k}
+        raw = self.client.hgetall(self.layout.data_key(rule.name, subject))
+        view = read_key(raw, NOW_US // rule.resolution_us, rule.buckets, rule.ring)
+        low, high = bucket(rule, rule.buckets), bucket(rule) + rule.future
+        return {
+            (names[s], b): cell
+            for (s, b), cell in view.cells.items()
+            if cell != (0, 0) and s in names and low <= b <= high
+        }
+
+    def snapshot(self) -> dict[bytes, Any]:
+        out: dict[bytes, Any] = {}
+        for key in self.client.scan_iter(count=1000):
+            kind = self.client.type(key)
+            out[key] = self.client.hgetall(key) if kind == b"hash" else self.client.dump(key)
+        return out
+
+    async def merge(self, peer: str, blobs: list[tuple[int, bytes]]) -> None:
+        """Test-only max-merge of blobs (the agent's merge_blobs does this in Lua)."""
+        self.merged.append((peer, len(blobs)))
+        for shard, blob in blobs:
+            check_blob(blob, shard, self.layout, RULES)
+            obj = msgpack.unpackb(blob, raw=True)
+            slots = [s.decode() for s in obj[0]]
+            for i in range(1, len(obj), 2):
+                suffix, flat = obj[i], obj[i + 1]
+                rule = RULES[suffix.partition(b":")[0].decode()]
+                key = self.layout.tag(shard) + b":" + suffix
+                raw = self.client.hgetall(key)
+                head = int(raw[b"h"]) if b"h" in raw else None
+                top = max(flat[0::4])
+                if head is None or top > head:
+                    if head is not None and top - head >= rule.ring:
+                        self.client.delete(key)
+                        raw = {}
+                    elif head is not None:
+                        passed = {b % rule.ring for b in range(head + 1, top + 1)}
+                        stale = [f for f in raw if f != b"h" and _base(f) % rule.ring in passed]
+                        if stale:
+                            self.client.hdel(key, *stale)
+                            for f in stale:
+                                del raw[f]
+                    head = top
+                writes: dict[bytes, int] = {b"h": head}
+                for j in range(0, len(flat), 4):
+                    b, ref, value, floor = flat[j : j + 4]
+                    if b <= head - rule.ring:
+                        continue
+                    f = self.index(shard, slots[ref]) * rule.ring + b % rule.ring
+                    for name, new in ((b"%d" % f, value), (b"%d" % (-f - 1), floor)):
+                        if new > max(int(raw.get(name, 0)), writes.get(name, 0)):
+                            writes[name] = new
+                self.client.hset(key, mapping=writes)
+
+
+def _base(field: bytes) -> int:
+    f = int(field)
+    return -f - 1 if f < 0 else f
+
+
+def pair(a: Region, b: Region, rules: dict[str, Rule] | None = None, **options: Any) -> dict[str, AntiEntropy]:
+    """Both sides' AntiEntropy, each sending to the other through msgpack."""
+    sides: dict[str, AntiEntropy] = {}
+    regions = {a.name: a, b.name: b}
+
+    def sender(me: str) -> Callable[[str, dict[str, Any]], Any]:
+        async def send(peer: str, payload: dict[str, Any]) -> dict[str, Any]:
+            wire = msgpack.unpackb(msgpack.packb(payload, use_bin_type=True), raw=False)
+            reply = await sides[peer].handle(me, wire)
+            return msgpack.unpackb(msgpack.packb(reply, use_bin_type=True), raw=False)  # type: ignore[no-any-return]
+
+        return send
+
+    for name, region in regions.items():
+        sides[name] = AntiEntropy(
+            name, region.store, region.layout, rules or RULES, sender(name), region.merge,
+            clock=lambda: NOW, **options,
+        )
+    return sides
+
+
+@pytest.fixture(scope="module")
+def servers(redis_server_factory: Factory) -> tuple[EmbeddedRedis, EmbeddedRedis]:
+    return redis_server_factory(), redis_server_factory()
+
+
+@pytest.fixture
+async def regions(servers: tuple[EmbeddedRedis, EmbeddedRedis]) -> Any:
+    made: list[Region] = []
+    for name, server in zip("ab", servers, strict=True):
+        client = redis.Redis.from_url(server.url)
+        client.flushall()
+        made.append(Region(name, client, open_async_store(server.url, timeout=5.0), KeyLayout("gl", 16)))
+    yield made[0], made[1]
+    for region in made:
+        await region.store.close()
+        region.client.close()
+
+
+def subjects(n: int) -> list[bytes]:
+    return [b"user:%d" % i for i in range(n)]
+
+
+def typical(i: int) -> list[Cell]:
+    """A key with cells of three regions in a few buckets (and a floor)."""
+    c = bucket(API)
+    cells: list[Cell] = [
+        (c, "a/i0", 64 * (i + 1) + 3, 0),
+        (c - 1, "a/i0", 64 * (i % 7 + 1), 64 if i % 5 == 0 else 0),
+        (c - 2, "b/i0", 64 * (i % 11 + 2), 0),
+        (c - 4, "c/i9", 2**52 + i, 0),  # near the top of the range
+    ]
+    return cells
+
+
+def assert_equal(a: Region, b: Region, rule: Rule, keys: Iterable[bytes]) -> None:
+    for subject in keys:
+        assert a.cells(rule, subject) == b.cells(rule, subject), subject
+
+
+async def test_identical_regions_exchange_no_keys(regions: tuple[Region, Region]) -> None:
+    a, b = regions
+    keys = subjects(300)
+    for i, s in enumerate(keys):
+        a.put(API, s, typical(i))
+    # b: the same cells, slot indices allocated in another order (not the same in
+    # every shard), fields in another order
+    for shard in range(0, 16, 2):
+        b.index(shard, "z/i1")
+    for s in keys:
+        b.index(b.layout.shard_of(s), "c/i9")
+    for i, s in reversed(list(enumerate(keys))):
+        b.put(API, s, list(reversed(typical(i))))
+    assert a.cells(API, keys[0]) == b.cells(API, keys[0])
+    sides = pair(a, b)
+    result = await sides["a"].run("b")
+    assert result.in_sync
+    assert result.keys_scanned == 300
+    assert (result.keys_sent, result.keys_received, result.keys_listed) == (0, 0, 0)
+    assert result.ranges_compared == 16  # one digest per shard
+    assert not a.merged
+    assert not b.merged
+
+
+async def test_missing_and_lower_cells_are_repaired_both_ways(regions: tuple[Region, Region]) -> None:
+    a, b = regions
+    keys = subjects(400)
+    c = bucket(API)
+    for i, s in enumerate(keys):
+        cells = typical(i)
+        a.put(API, s, cells)
+        kind = i % 8
+        if kind == 0:
+            continue  # b lacks the key
+        if kind == 1:
+            cells = cells[1:]  # b lacks a cell
+        elif kind == 2:
+            cells = [(cb, slot, v - 64 if cb == c else v, f) for cb, slot, v, f in cells]  # b is lower
+        elif kind == 3:
+            cells = [*cells, (c - 3, "b/i0", 640, 64)]  # b has more (a cell a lacks)
+        elif kind == 4:
+            cells = [(cb, slot, v, f + 64 if cb == c - 2 else f) for cb, slot, v, f in cells]  # b: higher floor
+        b.put(API, s, cells)
+    b.put(API, b"only-in-b", [(c, "b/i0", 128, 0)])
+    sides = pair(a, b)
+    first = await sides["a"].run("b")
+    assert first.leaves_differing > 0
+    assert not first.truncated
+    assert first.keys_differing == 5 * 50 + 1
+    # differing keys travel both ways (a max-merge keeps what each side has more of)
+    assert first.keys_received == 4 * 50 + 1
+    assert first.keys_sent == 5 * 50
+    assert_equal(a, b, API, [*keys, b"only-in-b"])
+    second = await sides["a"].run("b")
+    assert second.in_sync
+    # the responder can start it too
+    assert (await sides["b"].run("a")).in_sync
+
+
+@pytest.mark.parametrize("initiator", ["a", "b"])
+async def test_a_wiped_region_gets_everything_back(regions: tuple[Region, Region], initiator: str) -> None:
+    a, b = regions
+    keys = subjects(250)
+    for i, s in enumerate(keys):
+        a.put(API, s, typical(i))
+    sides = pair(a, b)
+    result = await sides[initiator].run("b" if initiator == "a" else "a")
+    assert result.keys_differing == 250
+    assert_equal(a, b, API, keys)
+    assert (await sides["b"].run("a")).in_sync
+
+
+async def test_a_key_of_3600_buckets_and_3_slots_is_repaired(regions: tuple[Region, Region]) -> None:
+    a, b = regions
+    c = bucket(HOUR)
+    full = [(c - d, slot, 64 * (d % 50 + 1) + k, 0) for d in range(3600) for k, slot in enumerate(("a/i0", "b/i0", "c/i9"))]
+    a.put(HOUR, b"big", full)
+    # b holds slot b/i0 only, a few of its cells higher than a's
+    b.put(HOUR, b"big", [(cb, s, v + 64 if cb % 97 == 0 else v, f) for cb, s, v, f in full if s == "b/i0"])
+    a.put(API, b"small", typical(1))
+    b.put(API, b"small", typical(1))
+    sides = pair(a, b)
+    result = await sides["a"].run("b")
+    assert result.keys_differing == 1
+    assert result.cells_sent == len(full)
+    assert result.blobs_sent >= len(full) // MAX_BLOB_CELLS
+    assert result.cells_received == 3600  # all of b's cells of the key
+    assert len(a.cells(HOUR, b"big")) == len(full)
+    assert_equal(a, b, HOUR, [b"big"])
+    assert (await sides["b"].run("a")).in_sync
+
+
+async def test_digests_match_the_python_reference(regions: tuple[Region, Region]) -> None:
+    """What ae_scan.lua and ae_key.lua compute is the documented function (cell_sums, key_digest)."""
+    a, _ = regions
+    c = bucket(API)
+    odd = [(c, "a/i0", 2**53 - 1, 2**53 - 2), (c - 10, "b/i0", 1, 0), (c - 5, "a/i0", 64, 0)]
+    a.put(API, b"odd \x00{}:key", [*odd, (c - 11, "b/i0", 999, 0)], head=c)  # c - 11: out of the window
+    ahead = [(c + 1, "c/i9", 0, 64), (c - 3, "a/i0", 128, 0)]
+    a.put(API, b"ahead", ahead)
+    c_hour = bucket(HOUR)
+    big = [(c_hour - d, slot, 1000 + d, d % 3) for d in range(0, 3600, 7) for slot in ("a/i0", "b/i0")]
+    a.put(HOUR, b"big", big)
+    local = _Local(a.store, a.layout, 64)
+    plan = _Plan(NOW_US, dict(RULES), 8, 16)
+    digests = await local.digests(plan, _Progress())
+    await digests.reduce()
+    assert digests.keys == 3
+    expected: dict[int, tuple[int, int]] = {}
+    for rule, subject, cells in ((API, b"odd \x00{}:key", odd), (API, b"ahead", ahead), (HOUR, b"big", big)):
+        suffix = rule.name.encode() + b":" + subject
+        g = a.layout.shard_of(subject) * 8 + key_seed(suffix, 8)[0]
+        d, n = expected.get(g, (0, 0))
+        expected[g] = ((d + digest_of_cells(suffix, [(bk, s.encode(), v, f) for bk, s, v, f in cells])) % 2**52, n + 1)
+    got = {g: (d, digests.counts[g]) for g, d in enumerate(digests.digests) if digests.counts[g]}
+    assert got == expected
+    by_shard = {g // 8: (0, 0) for g in expected}
+    for g, (d, n) in expected.items():
+        by_shard[g // 8] = ((by_shard[g // 8][0] + d) % 2**52, by_shard[g // 8][1] + n)
+    assert {s: (digests.shard_digests[s], digests.shard_counts[s]) for s in by_shard} == by_shard
+
+
+async def test_hostile_payloads_are_refused_and_write_nothing(regions: tuple[Region, Region]) -> None:
+    a, b = regions
+    for i, s in enumerate(subjects(40)):
+        a.put(API, s, typical(i))
+        b.put(API, s, typical(i)[:2])
+    sides = pair(a, b)
+    server = sides["b"]
+    before = b.snapshot()
+    good_begin = {"op": "begin", "x": b"x" * 16, "now": NOW_US, "shards": 16, "leaves": 8,
+                  "rules": [["api", API.window_us, API.resolution_us]]}
+    assert (await server.handle("a", dict(good_begin)))["rules"] == ["api"]
+
+    def blob(obj: Any, bin_type: bool = False) -> bytes:
+        return msgpack.packb(obj, use_bin_type=bin_type)  # type: ignore[no-any-return]
+
+    subject = b"user:1"
+    shard = b.layout.shard_of(subject)
+    other = (shard + 1) % 16
+    c = bucket(API)
+    ok_cells = [c, 0, 64, 0]
+    bad_requests: list[Any] = [
+        "not a map",
+        {"op": "nope", "x": b"x" * 16},
+        {"op": "tree", "x": b"y" * 16, "level": 0, "nodes": [0]},  # unknown exchange
+        {**good_begin, "x": b"short"},
+        {**good_begin, "x": b"z" * 16, "shards": 64},
+        {**good_begin, "x": b"z" * 16, "leaves": 3},
+        {**good_begin, "x": b"z" * 16, "leaves": 1 << 20},
+        {**good_begin, "x": b"z" * 16, "now": NOW_US + 10**9},
+        {**good_begin, "x": b"z" * 16, "now": "soon"},
+        {**good_begin, "x": b"z" * 16, "rules": [["api", "60s", 1]]},
+        {**good_begin, "x": b"z" * 16, "rules": [[1, 2, 3]] * 2000},
+        {"op": "tree", "x": b"x" * 16, "level": 9, "nodes": [0]},
+        {"op": "tree", "x": b"x" * 16, "level": 0, "nodes": [16]},
+        {"op": "tree", "x": b"x" * 16, "level": 0, "nodes": [-1]},
+        {"op": "tree", "x": b"x" * 16, "level": 0, "nodes": list(range(5000))},
+        {"op": "tree", "x": b"x" * 16, "level": 0, "nodes": [True]},
+        {"op": "list", "x": b"x" * 16, "leaves": b"\xff" * 3},
+        {"op": "entries", "x": b"x" * 16, "from": 0},  # before a listing
+        {"op": "read", "x": b"x" * 16, "keys": [[other, b"api:" + subject]], "pos": 0},
+        {"op": "read", "x": b"x" * 16, "keys": [[shard, b"hour:" + subject]], "pos": 0},
+        {"op": "read", "x": b"x" * 16, "keys": [[shard, b"api" + subject]], "pos": 0},
+        {"op": "read", "x": b"x" * 16, "keys": [[shard, b"api:" + b"x" * 5000]], "pos": 0},
+        {"op": "read", "x": b"x" * 16, "keys": [[shard, "api:user:1"]], "pos": 0},
+        {"op": "read", "x": b"x" * 16, "keys": [[shard, b"api:" + subject]], "pos": 12},
+        {"op": "read", "x": b"x" * 16, "keys": "all", "pos": 0},
+    ]
+    bad_blobs: list[Any] = [
+        b"\xc1garbage",
+        blob([["a/i0"], b"api:" + subject, ok_cells], bin_type=True),  # bin type
+        blob([["a/i0"], "api:user:1"]),  # no cells
+        blob({"slots": ["a/i0"]}),
+        blob([[], "api:user:1", ok_cells]),
+        blob([["no-slash"], "api:user:1", ok_cells]),
+        blob([["a/i0", "a/i0"], "api:user:1", ok_cells]),
+        blob([["a/i0"], "api:user:1", [c, 1, 64, 0]]),  # slot_ref out of range
+        blob([["a/i0"], "api:user:1", [c, 0, -64, 0]]),
+        blob([["a/i0"], "api:user:1", [c, 0, 2**53, 0]]),
+        blob([["a/i0"], "api:user:1", [c, 0, 64.5, 0]]),
+        blob([["a/i0"], "api:user:1", [c, 0, 64]]),
+        blob([["a/i0"], "api:user:1", [c, 0, True, 0]]),
+        blob([["a/i0"], "hour:user:1", ok_cells]),  # a rule this exchange did not accept
+        blob([["a/i0"], "nope:user:1", ok_cells]),
+        blob([["a/i0"], "api:user:2", ok_cells] if b.layout.shard_of(b"user:2") != shard else [["a/i0"], "api:zz", ok_cells]),
+        blob([["a/i0"], "api:user:1", ok_cells * (MAX_BLOB_CELLS + 1)]),
+        blob([["a/i0"], "api:user:1", [ok_cells[0], 0, 64, 0], "api:user:1", "cells"]),
+    ]
+    for blob_bytes in bad_blobs:
+        bad_requests.append({"op": "push", "x": b"x" * 16, "blobs": [[shard, blob_bytes]]})
+    bad_requests += [
+        {"op": "push", "x": b"x" * 16, "blobs": [[99, blob([["a/i0"], "api:user:1", ok_cells])]]},
+        {"op": "push", "x": b"x" * 16, "blobs": [[shard, "text"]]},
+        {"op": "push", "x": b"x" * 16, "blobs": [[shard, blob([["a/i0"], "api:user:1", ok_cells])]] * 9},
+        # one good blob then a bad one: nothing may be merged
+        {"op": "push", "x": b"x" * 16, "blobs": [[shard, blob([["a/i0"], "api:user:1", ok_cells])], [shard, b"\x00"]]},
+    ]
+    for request in bad_requests:
+        with pytest.raises(ProtocolError):
+            await server.handle("a", request)
+    # another peer cannot use a's exchange
+    with pytest.raises(ProtocolError, match="unknown or expired"):
+        await server.handle("c", {"op": "end", "x": b"x" * 16})
+    assert not b.merged
+    assert b.snapshot() == before
+    assert server.stats["refused"] == len(bad_requests) + 1
+    await server.close()
+
+
+async def test_hostile_replies_fail_the_run_and_write_nothing(regions: tuple[Region, Region]) -> None:
+    a, b = regions
+    for i, s in enumerate(subjects(30)):
+        a.put(API, s, typical(i))
+    b.put(API, b"user:1", [(bucket(API), "b/i0", 64, 0)])
+    sides = pair(a, b)
+    real = sides["a"].send
+
+    def tamper(op: str, change: Callable[[dict[str, Any]], None]) -> Callable[[str, dict[str, Any]], Any]:
+        async def send(peer: str, payload: dict[str, Any]) -> dict[str, Any]:
+            reply = await real(peer, payload)
+            if payload["op"] == op and reply.get("ready", True):
+                change(reply)
+            return reply
+
+        return send
+
+    cases: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
+        ("begin", lambda r: r.update(x=b"q" * 16)),
+        ("begin", lambda r: r.update(rules=["api", "unknown"])),
+        ("tree", lambda r: r.update(d=r["d"][:-1])),
+        ("tree", lambda r: r.update(d=b"\xff" * len(r["d"]))),
+        ("tree", lambda r: r.update(ready="yes")),
+        ("entries", lambda r: r.update(e=[[0, b"api:user:1", -5]])),
+        ("entries", lambda r: r.update(e=[[99, b"api:user:1", 5]])),
+        ("entries", lambda r: r.update(e=[[0, b"nope:x", 5]])),
+        ("read", lambda r: r.update(blobs=[[0, b"\x00\x01"]])),
+        ("read", lambda r: r.update(done=10**6)),
+        ("read", lambda r: r.update(done=0, pos=0)),
+    ]
+    before = a.snapshot()
+    for op, change in cases:
+        sides["a"].send = tamper(op, change)
+        with pytest.raises(ProtocolError):
+            await sides["a"].run("b")
+    assert not a.merged
+    assert a.snapshot() == before
+
+
+async def test_the_listing_is_bounded_and_later_runs_finish_the_repair(regions: tuple[Region, Region]) -> None:
+    a, b = regions
+    keys = subjects(600)
+    for i, s in enumerate(keys):
+        a.put(API, s, typical(i))
+    sides = pair(a, b, max_keys=100)
+    runs: list[AntiEntropyResult] = []
+    for _ in range(12):
+        runs.append(await sides["a"].run("b"))
+        if runs[-1].in_sync:
+            break
+    assert runs[0].truncated
+    assert runs[0].keys_differing <= 100 + 10
+    assert runs[-1].in_sync
+    assert len(runs) <= 10
+    assert_equal(a, b, API, keys)
+
+
+async def test_paced_small_pages_and_two_streams_still_repair(regions: tuple[Region, Region]) -> None:
+    a, b = regions
+    keys = subjects(300)
+    for i, s in enumerate(keys):
+        a.put(API, s, typical(i))
+        if i % 4:
+            b.put(API, s, typical(i)[: i % 4])
+    sides = pair(a, b, page_keys=16, page_ms=0.2, duty=0.5, streams=2)
+    started = time.monotonic()
+    first = await sides["a"].run("b")
+    assert first.keys_differing == 300
+    assert_equal(a, b, API, keys)
+    assert (await sides["b"].run("a")).in_sync
+    assert time.monotonic() - started < 30
+
+
+async def test_pages_are_bounded(regions: tuple[Region, Region]) -> None:
+    """Every scan call reads at most page_keys keys (plus one SCAN batch)."""
+    a, _ = regions
+    for i, s in enumerate(subjects(500)):
+        a.put(API, s, typical(i))
+    a.client.config_resetstat()
+    local = _Local(a.store, a.layout, 10)
+    digests = await local.digests(_Plan(NOW_US, dict(RULES), 8, 16), _Progress())
+    assert digests.keys == 500
+    calls = int(a.client.info("commandstats")["cmdstat_evalsha"]["calls"])
+    assert calls >= 500 // (10 + 40)
+
+
+async def test_scan_streams_split_the_keyspace_exactly(
+    regions: tuple[Region, Region], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, _ = regions
+    fill = a.client.register_script(
+        "for i = 2, #ARGV do redis.call('HSET', ARGV[i], 'h', ARGV[1], ARGV[1] % 12, 64 + i) end"
+    )
+    names = [a.layout.data_key("api", s) for s in subjects(40_000)]
+    for shard in range(16):
+        a.index(shard, "a/i0")
+    for start in range(0, len(names), 5000):
+        fill(args=[bucket(API), *names[start : start + 5000]])
+    plan = _Plan(NOW_US, dict(RULES), 64, 16)
+    one = await _Local(a.store, a.layout, 256, streams=1).digests(plan, _Progress())
+    four = await _Local(a.store, a.layout, 256, streams=4).digests(plan, _Progress())
+    assert one.keys == four.keys == 40_000
+    assert one.shard_digests == four.shard_digests
+    await one.reduce()
+    await four.reduce()
+    monkeypatch.setattr(antientropy, "PENDING_NUMBERS", 1000)  # leaves added during the pass
+    small = await _Local(a.store, a.layout, 256, streams=2).digests(plan, _Progress())
+    assert len(small.pending) < 2000
+    await small.reduce()
+    assert small.digests == one.digests
+    assert one.digests == four.digests
+    assert one.counts == four.counts
+
+
+async def test_rules_and_prefixes_may_differ(servers: tuple[EmbeddedRedis, EmbeddedRedis]) -> None:
+    """Only rules both sides share (same window and resolution) are compared; prefixes may differ."""
+    made = []
+    for name, server, prefix in (("a", servers[0], "gl"), ("b", servers[1], "other")):
+        client = redis.Redis.from_url(server.url)
+        client.flushall()
+        made.append(Region(name, client, open_async_store(server.url), KeyLayout(prefix, 16)))
+    a, b = made
+    try:
+        for i, s in enumerate(subjects(50)):
+            a.put(API, s, typical(i))
+            a.put(HOUR, s, [(bucket(HOUR), "a/i0", 64, 0)])
+        b_rules = {"api": API, "hour": Rule("hour", 10, 3600, 60)}  # another resolution
+        sides = pair(a, b)
+        sides["b"].set_rules(b_rules)
+        result = await sides["a"].run("b")
+        assert result.rules == ["api"]
+        assert_equal(a, b, API, subjects(50))
+        assert b.client.keys(b"other:*hour*") == []
+    finally:
+        for region in made:
+            await region.store.close()
+
+
+async def test_exchanges_are_bounded_and_expire(regions: tuple[Region, Region]) -> None:
+    a, b = regions
+    sides = pair(a, b, exchange_ttl=0.2)
+    server = sides["b"]
+
+    def begin(x: bytes) -> dict[str, Any]:
+        return {"op": "begin", "x": x, "now": NOW_US, "shards": 16, "leaves": 8, "rules": []}
+
+    for x in (b"1" * 16, b"2" * 16, b"3" * 16):
+        await server.handle("a", begin(x))
+    with pytest.raises(ProtocolError, match="unknown or expired"):  # the oldest was dropped
+        await server.handle("a", {"op": "end", "x": b"1" * 16})
+    assert (await server.handle("a", {"op": "end", "x": b"3" * 16}))["ok"]
+    await asyncio.sleep(0.3)
+    with pytest.raises(ProtocolError, match="unknown or expired"):
+        await server.handle("a", {"op": "end", "x": b"2" * 16})
+    assert server._exchanges == {}
+
+
+def test_leaves_per_shard_is_a_power_of_two() -> None:
+    assert leaves_per_shard(64) == 4096
+    assert leaves_per_shard(16384) == 16
+    assert leaves_per_shard(1) == 1 << 16
+    assert leaves_per_shard(100) == 2048
+
+
+@pytest.fixture
+def cluster_region(redis_cluster_url: str, cluster_client: redis.cluster.RedisCluster) -> Region:
+    return Region("a", cluster_client, open_async_store(redis_cluster_url, timeout=5.0), KeyLayout("gl", 16))
+
+
+@pytest.mark.cluster
+async def test_a_cluster_region_with_a_single_server_region(
+    cluster_region: Region, servers: tuple[EmbeddedRedis, EmbeddedRedis]
+) -> None:
+    a = cluster_region
+    client = redis.Redis.from_url(servers[1].url)
+    client.flushall()
+    b = Region("b", client, open_async_store(servers[1].url), KeyLayout("gl", 16))
+    try:
+        keys = subjects(200)
+        for i, s in enumerate(keys):
+            a.put(API, s, typical(i))
+            if i % 3:
+                b.put(API, s, typical(i)[: 1 + i % 3])
+        c_hour = bucket(HOUR)
+        a.put(HOUR, b"big", [(c_hour - d, "b/i0", 64 + d, 0) for d in range(0, 3600, 2)])
+        sides = pair(a, b)
+        first = await sides["a"].run("b")
+        assert first.keys_scanned == 201
+        assert first.keys_differing > 100
+        assert_equal(a, b, API, keys)
+        assert_equal(a, b, HOUR, [b"big"])
+        assert (await sides["b"].run("a")).in_sync
+        assert (await sides["a"].run("b")).in_sync
+    finally:
+        await a.store.close()
+        await b.store.close()
