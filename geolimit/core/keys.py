@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from geolimit.errors import ConfigError, RequestError
 
-__all__ = ["MAX_SUBJECT_BYTES", "KeyLayout", "encode_subject"]
+__all__ = ["MAX_SUBJECT_BYTES", "KeyLayout", "encode_subject", "glob_escape"]
 
 MAX_SUBJECT_BYTES = 4096
 
@@ -101,7 +101,7 @@ class KeyLayout:
 
     def data_pattern(self, shard: int) -> bytes:
         """A SCAN MATCH pattern for the data keys of one shard."""
-        return _glob_escape(self.tag(shard)) + b":*"
+        return glob_escape(self.tag(shard)) + b":*"
 
     def parse_data_key(self, key: bytes) -> tuple[int, str, bytes]:
         """``(shard, rule, subject)`` of a data key; ``ValueError`` if it is not one."""
@@ -118,7 +118,8 @@ class KeyLayout:
         return shard, rule.decode(), subject
 
 
-def _glob_escape(data: bytes) -> bytes:
+def glob_escape(data: bytes) -> bytes:
+    """``data`` with the glob metacharacters of SCAN MATCH escaped."""
     out = bytearray()
     for byte in data:
         if byte in b"*?[]\\":

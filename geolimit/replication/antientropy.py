@@ -74,7 +74,7 @@ from typing import Any
 import msgpack
 from redis.exceptions import RedisError
 
-from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout
+from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout, glob_escape
 from geolimit.core.rule import Rule
 from geolimit.errors import GeolimitError, ProtocolError, StorageError
 from geolimit.store.async_store import AsyncStore
@@ -365,7 +365,7 @@ class _Local:
         self.streams = streams
         self.duty = duty
         prefix = layout.prefix.encode()
-        self.pattern = _glob_escape(prefix) + b":{*}:*"
+        self.pattern = glob_escape(prefix) + b":{*}:*"
         self.plen = b"%d" % len(prefix)
 
     async def _groups(self) -> list[tuple[int, list[int]]]:
@@ -1298,12 +1298,3 @@ class AntiEntropy:
             await self.merge(ex.peer, blobs)
         self.stats["cells_merged"] += cells
         return {"ok": True, "cells": cells}
-
-
-def _glob_escape(data: bytes) -> bytes:
-    out = bytearray()
-    for byte in data:
-        if byte in b"*?[]\\":
-            out += b"\\"
-        out.append(byte)
-    return bytes(out)

@@ -322,7 +322,7 @@ class GossipEngine:
         acked = source.acked_from(target)
         return acked is None or now - acked > 2 * self.settings.heartbeat + 2 * self.settings.interval
 
-    def _relays(self, source: PeerState, now: float) -> list[str]:
+    def _relays(self, source: PeerState) -> list[str]:
         """The peers that cells from ``source`` are relayed to: every other peer.
 
         ``source`` delivers to every peer itself (its outboxes are durable), so in
@@ -401,8 +401,7 @@ class GossipEngine:
         if mismatched:
             log.warning("region %s: %s sent rules %s with another window/resolution; ignored",
                         self.region, msg.sender, mismatched)
-        now = self.clock()
-        relay = self._relays(peer, now)
+        relay = self._relays(peer)
         try:
             merged = await self.store.merge_blobs(msg.blobs, peer.name, relay, accepted, admit)
         except ProtocolError:
@@ -465,11 +464,6 @@ class GossipEngine:
     def initial_sync_done(self) -> bool:
         return all(p.ae_concluded for p in self.peers.values())
 
-    def check_failure(self) -> None:
-        """Kept for callers that poll for a fatal failure: background tasks are never fatal."""
-
-    def describe_failures(self) -> dict[str, Any]:
-        return {"task_failures": self.task_failures, "last_task_error": self.last_task_error}
 
 
 def _cells_of(live: dict[tuple[str, bytes], list[tuple[int, str, int, int]]], parts: set[int]) -> list[Cell6]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -12,6 +11,7 @@ from geolimit.core.keys import KeyLayout
 from geolimit.replication import wire
 from geolimit.replication.digest import key_digest, partition_digests
 from geolimit.replication.redis_io import blobs_from_cells
+from tests.support.blobs import unblob
 
 cells6 = st.lists(
     st.tuples(
@@ -26,17 +26,6 @@ cells6 = st.lists(
 )
 
 
-def _unblob(blobs: list[tuple[int, bytes]]) -> list[wire.Cell6]:
-    out: list[wire.Cell6] = []
-    for _, blob in blobs:
-        slots, *body = msgpack.unpackb(blob, raw=True)
-        for suffix, flat in zip(body[::2], body[1::2], strict=True):
-            rule, _, subject = suffix.partition(b":")
-            for i in range(0, len(flat), 4):
-                out.append((rule.decode(), subject, flat[i], slots[flat[i + 1]].decode(), flat[i + 2], flat[i + 3]))
-    return out
-
-
 @given(cells6)
 def test_wire_round_trip(cells: list[wire.Cell6]) -> None:
     blobs = blobs_from_cells(KeyLayout(), cells, max_cells=16)
@@ -44,8 +33,8 @@ def test_wire_round_trip(cells: list[wire.Cell6]) -> None:
                            failing=["ap"], rules={"api": (10_000_000, 1_000_000), "burst": (1_000_000, 100_000)},
                            shards=64, blobs=blobs)
     back = wire.decode(wire.encode(message))
-    assert sorted(_unblob(back.blobs)) == sorted(cells)
-    assert all(shard == KeyLayout().shard_of(c[1]) for shard, blob in back.blobs for c in _unblob([(shard, blob)]))
+    assert sorted(unblob(back.blobs)) == sorted(cells)
+    assert all(shard == KeyLayout().shard_of(c[1]) for shard, blob in back.blobs for c in unblob([(shard, blob)]))
     assert (back.sender, back.dest, back.reach, back.failing, back.now_us, back.shards) == (
         "us-east", "eu-west", {"eu-west": 0.25}, ["ap"], 123, 64)
     assert back.rules == message.rules

@@ -11,13 +11,12 @@ import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import msgpack
-
 from geolimit.replication import wire
 from geolimit.replication.gossip import GossipEngine
 from geolimit.sim import Faults
 from tests.sim.harness import INTERVAL, Harness, ShardedSimCluster, cluster_for
 from tests.sim.schedule import Schedule
+from tests.support.blobs import unblob
 
 SUBJECT = b"ns0:0"  # Schedule(...).subject(0)
 
@@ -55,17 +54,6 @@ async def test_a_partial_partition_converges_through_the_third_region(sim_redis:
         for name in "abc":
             usage = await h.sim.regions[name].limiter.usage("fine", SUBJECT)
             assert usage.by_region == {"a": 7, "b": 4}, (name, rounds)
-
-
-def unblob(blobs: list[tuple[int, bytes]]) -> list[wire.Cell6]:
-    out: list[wire.Cell6] = []
-    for _, blob in blobs:
-        slots, *body = msgpack.unpackb(blob, raw=True)
-        for suffix, flat in zip(body[::2], body[1::2], strict=True):
-            rule, _, subject = suffix.partition(b":")
-            for i in range(0, len(flat), 4):
-                out.append((rule.decode(), subject, flat[i], slots[flat[i + 1]].decode(), flat[i + 2], flat[i + 3]))
-    return out
 
 
 class Recorder:

@@ -148,13 +148,7 @@ for i = 2, n, 2 do
       end
     end
     if #cells > 0 then
-      local got = {}
-      for s = 1, #fields, 1000 do
-        local e = s + 999
-        if e > #fields then e = #fields end
-        local part = call('HMGET', key, unpack(fields, s, e))
-        for k = 1, #part do got[s + k - 1] = part[k] end
-      end
+      local got = hmget_all(key, fields)
       local h = tonumber(got[1])
       local newh = h
       if not h or maxb > h then newh = maxb end

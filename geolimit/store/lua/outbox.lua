@@ -33,6 +33,18 @@ local function combine(a, b)
   return fmt(lo)
 end
 
+-- HMGET of any number of fields (unpack() is limited by Lua's C stack).
+local function hmget_all(key, names)
+  local out = {}
+  for i = 1, #names, 500 do
+    local j = i + 499
+    if j > #names then j = #names end
+    local got = call('HMGET', key, unpack(names, i, j))
+    for k = 1, #got do out[i + k - 1] = got[k] end
+  end
+  return out
+end
+
 -- Merge entries {key, entry, key, entry, ...} into outbox hash `box` (and note
 -- the time of the first pending entry in key `since`, if given and unset).
 local function enqueue(box, since, flat, now)
@@ -40,13 +52,7 @@ local function enqueue(box, since, flat, now)
   if n == 0 then return end
   local names = {}
   for i = 1, n, 2 do names[#names + 1] = flat[i] end
-  local have = {}
-  for i = 1, #names, 500 do
-    local j = i + 499
-    if j > #names then j = #names end
-    local got = call('HMGET', box, unpack(names, i, j))
-    for k = 1, #got do have[i + k - 1] = got[k] end
-  end
+  local have = hmget_all(box, names)
   local write = {}
   for i = 1, n, 2 do
     local merged = combine(have[(i + 1) / 2] or nil, flat[i + 1])
