@@ -32,7 +32,7 @@ def _cmd_try(args: argparse.Namespace) -> int:
 def _cmd_agent(args: argparse.Namespace) -> int:
     from geolimit.server.run import run_agent
 
-    return run_agent(args.config, args.flush_timeout)
+    return run_agent(args.config, args.flush_timeout, workers=args.workers, worker_index=args.worker_index)
 
 
 def _cmd_proxy(args: argparse.Namespace) -> int:
@@ -133,7 +133,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
         return 0
     ready = "ready" if status.get("ready") else "NOT READY: " + "; ".join(status.get("waiting_for", []))
-    print(f"region {status['region']}  incarnation {status.get('incarnation')}  {ready}")
+    worker = status.get("worker") or {}
+    shown = ""
+    if worker.get("workers", 1) > 1:  # outboxes and counters are those of the worker that answered
+        shown = f"  worker {worker.get('index')} of {worker.get('workers')} ({worker.get('shards')} shards)"
+    print(f"region {status['region']}  incarnation {status.get('incarnation')}  {ready}{shown}")
     rows = [("peer", "last contact", "lag", "outbox", "errors", "failing", "rtt", "clock", "last error")]
     for name, peer in sorted(status.get("peers", {}).items()):
         age = peer.get("last_contact_age")
@@ -189,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("agent", help="run a region's replication agent and HTTP API")
     p.add_argument("--config", required=True, help="region TOML file")
     p.add_argument("--flush-timeout", type=float, default=2.0, help="seconds to deliver outboxes on SIGTERM")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="worker processes for this region, 1 to 64 (overrides [region] workers; default 1)")
+    p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by the supervisor
     p.set_defaults(handler=_cmd_agent)
 
     p = sub.add_parser("proxy", help="run the rate-limiting HTTP reverse proxy")

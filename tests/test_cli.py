@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import sys
+from pathlib import Path
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -33,3 +35,39 @@ def test_bad_rate_is_a_clear_error(redis_url: str) -> None:
     out = _run("try", "--redis", redis_url, "3 per fortnight", "u")
     assert out.returncode == 1
     assert "invalid rate '3 per fortnight'" in out.stderr
+
+
+def _agent_config(tmp_path: Path, listen: str = "127.0.0.1:7400") -> Path:
+    """A valid region file (nothing is started: the tests below stop at the configuration)."""
+    (tmp_path / "gossip.key").write_text(secrets.token_hex(32) + "\n")
+    config = tmp_path / "region.toml"
+    config.write_text(
+        f'[region]\nname = "a"\nredis_url = "redis://127.0.0.1:1/0"\nlisten = "{listen}"\n'
+        'secret_file = "gossip.key"\n[gossip]\ninterval = 0.1\n[[rule]]\nname = "api"\nlimit = "100/10s"\n'
+    )
+    return config
+
+
+def test_agent_help_shows_workers_but_not_the_internal_worker_index() -> None:
+    out = _run("agent", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "--workers N" in out.stdout
+    assert "[region] workers" in out.stdout
+    assert "--worker-index" not in out.stdout
+
+
+def test_agent_workers_flag_is_checked_before_anything_starts(tmp_path: Path) -> None:
+    config = _agent_config(tmp_path)
+    for value, expected in (("0", "--workers must be an integer from 1 to 64, got 0"),
+                            ("65", "--workers must be an integer from 1 to 64, got 65")):
+        out = _run("agent", "--config", str(config), "--workers", value)
+        assert (out.returncode, out.stderr.strip()) == (1, f"geolimit: error: {expected}")
+    out = _run("agent", "--config", str(config), "--workers", "two")
+    assert out.returncode == 2
+    assert "--workers: invalid int value: 'two'" in out.stderr
+    (tmp_path / "port0").mkdir()
+    out = _run("agent", "--config", str(_agent_config(tmp_path / "port0", "127.0.0.1:0")), "--workers", "2")
+    assert out.returncode == 1
+    assert "--workers = 2 needs a fixed port in region.listen" in out.stderr
+    out = _run("agent", "--config", str(config), "--workers", "2", "--worker-index", "2")
+    assert (out.returncode, out.stderr.strip()) == (1, "geolimit: error: --worker-index must be from 0 to 1, got 2")

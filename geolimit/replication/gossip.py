@@ -17,17 +17,19 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 from geolimit.aio import cancel_and_wait
+from geolimit.core.rule import Rule
 from geolimit.errors import ProtocolError, StorageError
 from geolimit.replication import wire
-from geolimit.replication.digest import partition_digests, partition_of
+from geolimit.replication.antientropy import AntiEntropyResult
+from geolimit.replication.gossip_repair import AntiEntropyDriver
 from geolimit.replication.peers import EngineSettings, PeerState
-from geolimit.replication.redis_io import MAX_WINDOW, Packed, ReplicationStore, blobs_from_cells
-from geolimit.replication.transport import Transport, TransportError
-from geolimit.replication.wire import Blob, Cell6
+from geolimit.replication.redis_io import MAX_WINDOW, MergeResult, Packed, ReplicationStore
+from geolimit.replication.transport import PeerRefused, Transport, TransportError
+from geolimit.replication.wire import Blob
 
 __all__ = ["EngineSettings", "GossipEngine", "PeerState"]
 
@@ -57,7 +59,7 @@ class GossipEngine:
         if not 1 <= self.settings.window <= MAX_WINDOW:
             raise ValueError(f"window must be from 1 to {MAX_WINDOW}")
         self.clock = clock
-        self._rng = rng or random.Random()
+        self.rng = rng or random.Random()
         self.peers = {name: PeerState(name) for name in peers}
         self._tasks: set[asyncio.Task[None]] = set()
         self._recovered = False
@@ -66,8 +68,10 @@ class GossipEngine:
         self.last_task_error: str | None = None
         self.stats: dict[str, float] = dict.fromkeys(
             ("rounds", "round_seconds", "drained", "unknown_rule", "merged", "increased", "bad_values", "relayed",
-             "dropped_old", "dropped_future", "ae_runs", "ae_cells", "wipes", "refused"), 0.0
+             "dropped_old", "dropped_future", "own_ahead", "ae_runs", "ae_failed", "ae_cells", "ae_keys_repaired",
+             "wipes", "refused", "refused_by_peers"), 0.0
         )
+        self.repair = AntiEntropyDriver(self)
 
     # -- rounds ---------------------------------------------------------------
 
@@ -81,10 +85,7 @@ class GossipEngine:
             await self._drain(now)
         await self._resettle()
         self._start_sends(now)
-        for peer in self.peers.values():
-            if not peer.ae_running and now >= peer.next_attempt and (peer.ae_needed or now >= peer.ae_due):
-                peer.ae_running = True
-                self._spawn(self._anti_entropy(peer))
+        self.repair.start_due(now)
         self.stats["rounds"] += 1
         self.stats["round_seconds"] = self.clock() - started
 
@@ -109,7 +110,7 @@ class GossipEngine:
         """Return in-flight batches whose outcome could not be recorded (Redis was down)."""
         for peer in self.peers.values():
             for slot in sorted(peer.unsettled):
-                await self.store.settle(peer.name, slot, range(self.store.layout.shards), delivered=False)
+                await self.store.settle(peer.name, slot, self.store.owned, delivered=False)
                 peer.unsettled.discard(slot)
 
     def _start_sends(self, now: float) -> None:
@@ -118,12 +119,13 @@ class GossipEngine:
             if now < peer.next_attempt:
                 continue
             window = 1 if peer.failures else self.settings.window
-            due = peer.last_attempt is None or now - peer.last_attempt >= self.settings.heartbeat
+            # A failing peer is probed at its backoff pace, even with nothing queued.
+            due = peer.last_attempt is None or peer.failures > 0 or now - peer.last_attempt >= self.settings.heartbeat
             wanted = -(-peer.unsent // per_message) if peer.unsent else (1 if due and not peer.flying else 0)
             free = [s for s in range(self.settings.window) if s not in peer.flying and s not in peer.unsettled]
             for slot in free[: max(0, min(wanted, window - len(peer.flying)))]:
                 peer.flying.add(slot)
-                self._spawn(self._send(peer, slot))
+                self.spawn(self._send(peer, slot))
 
     async def settle(self) -> None:
         """Wait until every send and anti-entropy task started so far has finished."""
@@ -161,7 +163,7 @@ class GossipEngine:
             if all(p.failures for p in self.peers.values() if p.queued):
                 return
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._done)
@@ -224,14 +226,17 @@ class GossipEngine:
     async def _collect(self, peer: PeerState, slot: int, limit: int) -> Packed:
         """Pack up to about ``limit`` cells of ``peer``'s outbox into in-flight ``slot``."""
         total = Packed()
-        shards = self.store.layout.shards
+        owned = self.store.owned
+        shards = len(owned)
         for _ in range(4):  # a shard gives at most 4 batches to one message
-            order = [(peer.cursor + i) % shards for i in range(shards)]
+            order = [owned[(peer.cursor + i) % shards] for i in range(shards)]
             todo = [s for s in order if peer.pending.get(s)]
             if not todo:
                 break
             for start in range(0, len(todo), 8):
-                got = await self.store.pack(peer.name, slot, todo[start : start + 8], limit - total.cells)
+                batch = todo[start : start + 8]  # packed at once: they share what is left of the limit
+                share = max(1, (limit - total.cells) // len(batch))
+                got = await self.store.pack(peer.name, slot, batch, share)
                 total.blobs += got.blobs
                 for shard, keys in got.shards.items():
                     total.shards[shard] = total.shards.get(shard, 0) + keys
@@ -257,19 +262,28 @@ class GossipEngine:
         """Deliver outbox batches through in-flight ``slot`` until the outbox is empty."""
         try:
             while True:
-                # A failing peer gets small messages until one succeeds, then the rest.
-                limit = self.settings.probe_cells if peer.failures else self.settings.max_cells_per_message
+                # A failing peer gets small messages until one succeeds, then the rest;
+                # a slow one gets smaller messages (see _sized).
+                limit = self.settings.probe_cells if peer.failures else self._message_cells(peer)
                 packed = await self._collect(peer, slot, limit)
                 peer.flight_keys[slot] = packed.keys
                 peer.last_attempt = sent_at = self.clock()
                 try:
                     reply = await self.transport.send(peer.name, self.message("delta", peer.name, packed.blobs))
+                except PeerRefused as exc:
+                    # Sending it again would be refused again: drop the batch rather than
+                    # block the outbox behind it; anti-entropy repairs what it carried.
+                    await self._conclude(peer, slot, packed, delivered=True)
+                    self._refused(peer, packed, exc)
+                    return
                 except (TransportError, ProtocolError) as exc:
                     await self._conclude(peer, slot, packed, delivered=False)
+                    self._sized(peer, packed.cells, None)
                     self._failed(peer, exc)
                     return
                 await self._conclude(peer, slot, packed, delivered=True)
                 took = self.clock() - sent_at
+                self._sized(peer, packed.cells, took)
                 peer.rtt = took if peer.rtt == 0.0 else 0.8 * peer.rtt + 0.2 * took
                 peer.cells_sent += packed.cells
                 self._succeeded(peer, reply)
@@ -278,6 +292,23 @@ class GossipEngine:
         finally:
             peer.flying.discard(slot)
             peer.flight_keys.pop(slot, None)
+
+    def _message_cells(self, peer: PeerState) -> int:
+        return peer.message_cells or self.settings.max_cells_per_message
+
+    def _sized(self, peer: PeerState, cells: int, took: float | None) -> None:
+        """Adapt the message size to the peer: halve it when a message of ``cells`` failed
+        (``took`` None) or took over half the send timeout, double it back when a
+        full one took under an eighth. A peer that merges slowly then never sees a message
+        it cannot merge within the timeout: a timed-out message was often merged
+        all the same, and sending it again is the work the peer had no time for."""
+        settings, current = self.settings, self._message_cells(peer)
+        if took is None or took > settings.send_timeout / 2:
+            if cells > settings.probe_cells and cells * 2 > current:
+                peer.message_cells = max(settings.probe_cells, current // 2)
+        elif took < settings.send_timeout / 8 and cells * 2 >= current and current < settings.max_cells_per_message:
+            grown = 2 * current
+            peer.message_cells = 0 if grown >= settings.max_cells_per_message else grown
 
     async def _conclude(self, peer: PeerState, slot: int, packed: Packed, delivered: bool) -> None:
         if not packed.shards:
@@ -300,14 +331,23 @@ class GossipEngine:
         peer.failures = 0
         peer.last_ok = peer.last_heard = now
         peer.next_attempt = 0.0
-        self._note_reach(peer, reply, now)
+        self.note_reach(peer, reply, now)
+
+    def _refused(self, peer: PeerState, packed: Packed, exc: PeerRefused) -> None:
+        peer.errors += 1
+        peer.refused += packed.cells
+        peer.last_error = str(exc)[:300]
+        peer.ae_needed = True
+        self.stats["refused_by_peers"] += packed.cells
+        log.error("region %s: %s refused a batch of %d cells (dropped; anti-entropy repairs it): %s",
+                  self.region, peer.name, packed.cells, exc)
 
     def _failed(self, peer: PeerState, exc: BaseException) -> None:
         peer.failures += 1
         peer.errors += 1
         peer.last_error = str(exc)[:300]
         backoff = min(self.settings.max_backoff, self.settings.interval * 2 ** min(peer.failures, 16))
-        peer.next_attempt = self.clock() + backoff * self._rng.uniform(0.5, 1.0)
+        peer.next_attempt = self.clock() + backoff * self.rng.uniform(0.5, 1.0)
         if peer.failures in (1, 10) or peer.failures % 100 == 0:
             log.warning("region %s: gossip to %s failed (%d in a row): %s", self.region, peer.name, peer.failures, exc)
 
@@ -322,7 +362,7 @@ class GossipEngine:
         acked = source.acked_from(target)
         return acked is None or now - acked > 2 * self.settings.heartbeat + 2 * self.settings.interval
 
-    def _relays(self, source: PeerState) -> list[str]:
+    def relays(self, source: PeerState) -> list[str]:
         """The peers that cells from ``source`` are relayed to: every other peer.
 
         ``source`` delivers to every peer itself (its outboxes are durable), so in
@@ -334,7 +374,7 @@ class GossipEngine:
         """
         return [p for p in self.peers if p != source.name]
 
-    def _note_reach(self, peer: PeerState, msg: wire.Message, now: float) -> None:
+    def note_reach(self, peer: PeerState, msg: wire.Message, now: float) -> None:
         # A link of the sender's that just went down may have swallowed cells we
         # merged before we knew: anti-entropy with that target repairs them, and
         # relay covers what comes next.
@@ -368,25 +408,16 @@ class GossipEngine:
                 f"{msg.sender} uses {msg.shards} shards and this region {self.store.layout.shards}: "
                 f"every region must use the same [region] shards"
             )
-        if msg.kind not in ("delta", "cells", "digest"):
+        if msg.kind not in ("delta", "ae"):
             raise ProtocolError(f"unexpected message kind {msg.kind!r}")
-        if msg.kind in ("delta", "cells"):
+        reply = self.message("ack", peer.name)
+        if msg.kind == "delta":
             await self._merge(peer, msg, admit)
-        elif admit is not None:
-            await admit()
+        else:
+            reply.ae = await self.repair.ae.handle(peer.name, msg.ae, admit)
         peer.last_heard = now
-        self._note_reach(peer, msg, now)
-        if msg.kind in ("delta", "cells"):
-            return self.message("ack", peer.name)
-        if msg.kind == "digest":
-            live = await self.store.read_live(msg.now_us)
-            mine = partition_digests(live)
-            want = sorted(p for p in set(mine) | set(msg.digests) if mine.get(p) != msg.digests.get(p))
-            cells = _cells_of(live, set(want))
-            reply = self.message("ack", peer.name, blobs_from_cells(self.store.layout, cells))
-            reply.digests, reply.want = mine, want
-            return reply
-        raise ProtocolError(f"unexpected message kind {msg.kind!r}")
+        self.note_reach(peer, msg, now)
+        return reply
 
     async def _merge(
         self, peer: PeerState, msg: wire.Message, admit: Callable[[], Awaitable[object]] | None = None
@@ -401,12 +432,16 @@ class GossipEngine:
         if mismatched:
             log.warning("region %s: %s sent rules %s with another window/resolution; ignored",
                         self.region, msg.sender, mismatched)
-        relay = self._relays(peer)
+        relay = self.relays(peer)
         try:
             merged = await self.store.merge_blobs(msg.blobs, peer.name, relay, accepted, admit)
         except ProtocolError:
             self.stats["refused"] += 1
             raise
+        self.count(peer, merged)
+
+    def count(self, peer: PeerState, merged: MergeResult) -> None:
+        """Add a merge's outcome to the stats (and warn about own-slot claims)."""
         peer.cells_received += merged.cells
         self.stats["merged"] += merged.cells
         self.stats["increased"] += merged.increased
@@ -414,65 +449,33 @@ class GossipEngine:
         self.stats["dropped_future"] += merged.dropped_future
         self.stats["unknown_rule"] += merged.unknown_rule
         self.stats["relayed"] += merged.relayed
+        own_ahead = merged.own_ahead
+        if own_ahead:
+            self.stats["own_ahead"] += own_ahead
+            log.warning("region %s: %s holds more hits in this region's own slot than this Redis (%d cells "
+                        "skipped): did Redis fail over or restore a snapshot and lose recent writes?",
+                        self.region, peer.name, own_ahead)
 
     # -- anti-entropy ---------------------------------------------------------
 
-    async def _anti_entropy(self, peer: PeerState) -> None:
-        # Clear the request when the run *starts*: a wipe detected while this run is
-        # in flight asks again, and this run (which read the data before the wipe)
-        # must not swallow that request when it ends.
-        peer.ae_needed = False
-        ok = False
-        try:
-            ok = await self.anti_entropy(peer.name)
-        finally:
-            peer.ae_running = False
-            if not ok:
-                peer.ae_needed = True
-        peer.ae_concluded = True
-        if ok:
-            peer.ae_ok += 1
-            peer.ae_due = self.clock() + self.settings.anti_entropy_interval * self._rng.uniform(0.8, 1.2)
+    async def anti_entropy(self, name: str) -> AntiEntropyResult:
+        """One full anti-entropy exchange with peer ``name`` (raises on failure)."""
+        return await self.repair.ae.run(name)
 
-    async def anti_entropy(self, name: str) -> bool:
-        """Exchange digests with a peer, then the cells of every partition that differs."""
-        peer = self.peers[name]
-        self.stats["ae_runs"] += 1
-        now_us = int(self.clock() * 1_000_000)
-        try:
-            live = await self.store.read_live(now_us)
-            request = self.message("digest", name)
-            request.now_us, request.digests = now_us, partition_digests(live)
-            reply = await self.transport.send(name, request)
-            self._succeeded(peer, reply)
-            await self._merge(peer, reply)
-            mine = blobs_from_cells(self.store.layout, _cells_of(live, set(reply.want)))
-            for start in range(0, len(mine), 64):
-                await self.transport.send(name, self.message("cells", name, mine[start : start + 64]))
-            self.stats["ae_cells"] += len(mine)
-        except (TransportError, ProtocolError) as exc:
-            self._failed(peer, exc)
-            return False
-        except StorageError as exc:
-            log.warning("region %s: anti-entropy with %s failed: %s", self.region, name, exc)
-            return False
-        return True
+    async def close(self) -> None:
+        """Drop the anti-entropy exchanges this region serves."""
+        await self.repair.ae.close()
+
+    def set_rules(self, rules: Mapping[str, Rule]) -> None:
+        """Replicate (and compare) a new rule set."""
+        self.store.set_rules(rules)
+        self.repair.ae.set_rules(rules)
 
     # -- status ---------------------------------------------------------------
 
     @property
     def initial_sync_done(self) -> bool:
-        return all(p.ae_concluded for p in self.peers.values())
+        """Every peer had a first anti-entropy exchange (concluded, even if it failed)."""
+        return not self.settings.anti_entropy or all(p.ae_concluded for p in self.peers.values())
 
-
-
-def _cells_of(live: dict[tuple[str, bytes], list[tuple[int, str, int, int]]], parts: set[int]) -> list[Cell6]:
-    """The cells of some partitions (a peer's own cells included: it may have lost
-    an old incarnation's, and an echo of its current slot changes nothing)."""
-    return [
-        (rule, subject, bucket, slot, value, floor)
-        for (rule, subject), cells in live.items()
-        if partition_of(subject) in parts
-        for bucket, slot, value, floor in cells
-    ]
 

@@ -14,10 +14,14 @@ class EngineSettings:
     max_backoff: float = 0.2  # retries keep probing a failed peer this often, so a heal is noticed fast
     probe_cells: int = 200  # cells per attempt while a peer is failing
     max_cells_per_message: int = 20_000  # bounds how long a peer spends merging one request
+    send_timeout: float = 5.0  # the transport's timeout: messages that take half of it get smaller
     heartbeat: float = 1.0  # send (possibly empty) deltas at least this often
     lease_ttl: float = 15.0
     window: int = 4  # messages in flight per peer (at most 8)
     drain_passes: int = 16  # bounded drain calls per shard and round
+    ae_max_keys: int = 200_000  # keys listed and repaired per anti-entropy run (the next run goes on)
+    ae_duty: float = 1.0  # share of Redis time anti-entropy scans may take (each script call is ~1 ms anyway)
+    anti_entropy: bool = True  # initiate exchanges (one worker per region does; every worker serves them)
 
 
 @dataclass
@@ -38,6 +42,10 @@ class PeerState:
     ae_due: float = 0.0
     ae_concluded: bool = False
     ae_ok: int = 0
+    ae_failures: int = 0  # anti-entropy runs failed in a row (not a sign the peer is down)
+    ae_last_error: str | None = None
+    ae_retry_at: float = 0.0  # backoff after a failed anti-entropy run
+    refused: int = 0  # cells of batches this peer refused (dropped; anti-entropy repairs them)
     cells_sent: int = 0
     cells_received: int = 0
     rtt: float = 0.0  # smoothed round trip of our messages to this peer (seconds)
@@ -48,6 +56,7 @@ class PeerState:
     flight_keys: dict[int, int] = field(default_factory=dict)  # in-flight slot -> keys it carries
     unsettled: set[int] = field(default_factory=set)  # slots whose outcome could not be recorded
     cursor: int = 0  # shard the next message starts packing from (fairness)
+    message_cells: int = 0  # cells per message for this peer while it is slow (0: the maximum)
 
     @property
     def queued(self) -> int:

@@ -73,6 +73,10 @@ class Packed:
     bad: int = 0  # stored values that were not exact integers (skipped)
 
 
+#: The counters of an accepted merge.lua reply, in order (after the leading 1).
+_MERGE_FIELDS = ("cells", "increased", "dropped_old", "dropped_future", "unknown_rule", "relayed", "own_ahead")
+
+
 @dataclass(slots=True)
 class MergeResult:
     cells: int = 0
@@ -81,14 +85,12 @@ class MergeResult:
     dropped_future: int = 0
     unknown_rule: int = 0
     relayed: int = 0  # (key, peer) pairs queued for relay
+    own_ahead: int = 0  # repair mode: cells claiming more in this region's own slot (skipped)
 
     def add(self, reply: Sequence[Any]) -> None:
-        self.cells += int(reply[1])
-        self.increased += int(reply[2])
-        self.dropped_old += int(reply[3])
-        self.dropped_future += int(reply[4])
-        self.unknown_rule += int(reply[5])
-        self.relayed += int(reply[6])
+        """Add one accepted ``merge.lua`` reply (``{1, cells, ...}``; later fields may be absent)."""
+        for name, value in zip(_MERGE_FIELDS, reply[1:], strict=False):
+            setattr(self, name, getattr(self, name) + int(value))
 
 
 class ReplicationStore:
@@ -104,9 +106,14 @@ class ReplicationStore:
         now_us: Callable[[], int | None] = lambda: None,
         peers: Sequence[str] = (),
         limits: Limits | None = None,
+        owned: Sequence[int] | None = None,
     ) -> None:
         self.store = store
         self.layout = layout
+        #: The shards whose outboxes this agent (worker) drains, packs and recovers.
+        self.owned = sorted(set(owned)) if owned is not None else list(range(layout.shards))
+        if any(not 0 <= s < layout.shards for s in self.owned):
+            raise ValueError(f"owned shards must be in [0, {layout.shards})")
         self.region = region
         self._region_b = region.encode()
         self._nonce = nonce
@@ -154,9 +161,9 @@ class ReplicationStore:
             fresh += (peer.encode(), b"%d" % ages.get(peer, 0))
         head = [self._clock_arg(), self._region_b, self._nonce, new_incarnation(self._nonce), b"%d" % lease_us,
                 b"%d" % self.limits.drain_keys, *fresh]
-        calls = [[b"3", *self.layout.aux_keys(s), *head] for s in range(self.layout.shards)]
+        calls = [[b"3", *self.layout.aux_keys(s), *head] for s in self.owned]
         out = Drained(pending={p: {} for p in self.peers}, oldest_us=dict.fromkeys(self.peers))
-        for shard, reply in enumerate(_checked(await self.store.run_many(_DRAIN, calls))):
+        for shard, reply in zip(self.owned, _checked(await self.store.run_many(_DRAIN, calls)), strict=True):
             out.own_slots[shard] = reply[0].decode()
             out.changed_left += int(reply[1])
             out.taken += int(reply[2])
@@ -197,7 +204,7 @@ class ReplicationStore:
         """Return every in-flight batch to its outbox (after a crash or restart)."""
         for peer in self.peers:
             for slot in range(window):
-                await self.settle(peer, slot, range(self.layout.shards), delivered=False)
+                await self.settle(peer, slot, self.owned, delivered=False)
 
     # -- the receiver's side ----------------------------------------------------
 
@@ -208,6 +215,8 @@ class ReplicationStore:
         relay_to: Sequence[str] = (),
         rules: Iterable[str] | None = None,
         admit: Callable[[], Awaitable[object]] | None = None,
+        *,
+        repair: bool = False,
     ) -> MergeResult:
         """Validate every blob, then max-merge them; nothing is written unless all pass.
 
@@ -216,6 +225,12 @@ class ReplicationStore:
         are queued for the peers in ``relay_to``. A refused blob raises
         :class:`ProtocolError` naming the reason. ``admit`` runs between the checks
         and the writes (the replay guard: a refused message leaves no trace).
+
+        A cell claiming more in this region's own current slot than it counted
+        refuses the blob (a delta must never do that). With ``repair`` (anti-entropy
+        after a Redis failover or a restore from a snapshot lost this region's
+        latest writes, so peers legitimately hold more) such cells are skipped,
+        never written, and counted in :attr:`MergeResult.own_ahead`; the rest is merged.
         """
         if not blobs:
             if admit is not None:
@@ -225,9 +240,10 @@ class ReplicationStore:
         rule_args = self._merge_rules(self.rules if rules is None else rules)
         relay = [b"%d" % len(relay_to), *(p.encode() for p in relay_to)]
         regions = [b"%d" % len(self._regions), *self._regions]
+        mode = b"repair" if repair else b"delta"
 
         def calls(apply: bytes) -> list[list[bytes]]:
-            head = [self._clock_arg(), self._region_b, self._nonce, apply, b"%d" % lim.blob_cells,
+            head = [self._clock_arg(), self._region_b, self._nonce, apply, mode, b"%d" % lim.blob_cells,
                     b"%d" % lim.new_slots, b"%d" % lim.max_slots, *regions, *rule_args, *relay]
             return [[b"1", self._registry(shard), *head, blob] for shard, blob in blobs]
 
@@ -240,8 +256,9 @@ class ReplicationStore:
         if admit is not None:
             await admit()
         out = MergeResult()
-        for (shard, _), reply in zip(blobs, _checked(await self.store.run_many(_MERGE, calls(b"1"))), strict=True):
-            if int(reply[0]) != 1:  # only a concurrent registry change can refuse now
+        # b"2": the blobs the b"0" calls accepted, so merge.lua skips the per-cell type checks.
+        for (shard, _), reply in zip(blobs, _checked(await self.store.run_many(_MERGE, calls(b"2"))), strict=True):
+            if int(reply[0]) != 1:  # only a change since the checks (registry, own slot) can refuse now
                 raise ProtocolError(f"refused cells for shard {shard}: {reply[1].decode(errors='replace')}")
             out.add(reply)
         return out

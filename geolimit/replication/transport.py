@@ -18,7 +18,7 @@ from geolimit.errors import GeolimitError, ProtocolError
 from geolimit.replication import wire
 from geolimit.replication.auth import SEQ, Signer, Verifier
 
-__all__ = ["HttpTransport", "Transport", "TransportError", "read_limited"]
+__all__ = ["HttpTransport", "PeerRefused", "Transport", "TransportError", "read_limited"]
 
 GOSSIP_PATH = "/v1/gossip"
 CONTENT_TYPE = "application/msgpack"
@@ -46,6 +46,15 @@ class TransportError(GeolimitError):
     """A peer could not be reached or refused a message."""
 
 
+class PeerRefused(TransportError):
+    """The peer received the message and refused its content (HTTP 400): sending
+    the same message again would be refused again."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class Transport(Protocol):
     async def send(self, peer: str, message: wire.Message) -> wire.Message:
         """Deliver ``message`` to ``peer`` and return its (verified) response."""
@@ -54,7 +63,16 @@ class Transport(Protocol):
 
 
 class HttpTransport:
-    """Signed msgpack over HTTP(S) with aiohttp; one client session for all peers."""
+    """Signed msgpack over HTTP(S) with aiohttp.
+
+    Deltas share one client session (a pool of connections per peer). Anti-entropy
+    steps (kind ``"ae"``) go over a second session that keeps a single keep-alive
+    connection per peer, so every step of an exchange reaches the same process:
+    with several agent workers behind one port (SO_REUSEPORT) the responder's
+    state lives in the worker that got the exchange's ``begin``. If that
+    connection drops mid-exchange, the next step may reach another worker, which
+    answers "unknown or expired exchange"; the run fails and is retried later.
+    """
 
     def __init__(
         self,
@@ -72,12 +90,20 @@ class HttpTransport:
         self._ssl = ssl_context
         self._max_response = max_response_bytes
         self._session: aiohttp.ClientSession | None = None
+        self._pinned: aiohttp.ClientSession | None = None  # anti-entropy: one connection per peer
         self.bytes_sent: dict[str, int] = dict.fromkeys(urls, 0)
 
     def set_url(self, peer: str, url: str) -> None:
         self._urls[peer] = url.rstrip("/") + GOSSIP_PATH
 
-    def _client(self) -> aiohttp.ClientSession:
+    def _client(self, pinned: bool = False) -> aiohttp.ClientSession:
+        if pinned:
+            if self._pinned is None or self._pinned.closed:
+                # One connection per peer, kept alive between steps (below the server's 75 s).
+                self._pinned = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(
+                    ssl=self._ssl if self._ssl is not None else True, limit_per_host=1, keepalive_timeout=60.0,
+                ))
+            return self._pinned
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 timeout=self._timeout,
@@ -91,12 +117,14 @@ class HttpTransport:
         headers["Content-Type"] = CONTENT_TYPE
         seq = int(headers[SEQ])
         try:
-            async with self._client().post(self._urls[peer], data=body, headers=headers) as resp:
+            async with self._client(message.kind == "ae").post(self._urls[peer], data=body, headers=headers) as resp:
                 payload = await read_limited(resp.content, self._max_response)
                 if payload is None:
                     raise TransportError(f"{peer} sent a response over {self._max_response} bytes")
                 if resp.status != 200:
                     detail = payload[:200].decode("utf-8", "replace")
+                    if resp.status == 400:
+                        raise PeerRefused(f"{peer} refused the message: {detail}", resp.status)
                     raise TransportError(f"{peer} answered HTTP {resp.status}: {detail}")
                 reply_headers = CIMultiDict(resp.headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -109,6 +137,7 @@ class HttpTransport:
         return reply
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._pinned):
+            if session is not None:
+                await session.close()
+        self._session = self._pinned = None

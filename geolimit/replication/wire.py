@@ -8,11 +8,9 @@ A message body is a msgpack map::
      "shards": SHARDS,                            # the sender's shard count (must match)
      "rules": [[NAME, WINDOW_US, RESOLUTION_US], ...],
      "blobs": [[SHARD, BLOB], ...],               # cells, packed by Redis (see below)
-     "digests": {PARTITION: DIGEST, ...},         # anti-entropy only
-     "want": [PARTITION, ...],                    # anti-entropy only
-     "ae": {...}}                                 # anti-entropy protocol payload
+     "ae": {...}}                                 # one anti-entropy step (antientropy.py)
 
-KIND is ``delta`` (changed cells), ``digest`` / ``cells`` / ``ae`` (anti-entropy) or
+KIND is ``delta`` (changed cells), ``ae`` (a step of an anti-entropy exchange) or
 ``ack`` (every response). A BLOB is itself msgpack, built by ``pack.lua`` and read
 by ``merge.lua`` inside Redis: ``[slots, suffix, cells, suffix, cells, ...]`` where
 ``suffix`` is ``rule:subject`` and ``cells`` a flat list of ``bucket, slot_ref,
@@ -33,7 +31,7 @@ from geolimit.errors import ProtocolError
 __all__ = ["KINDS", "Blob", "Cell6", "Message", "decode", "encode"]
 
 VERSION = 2
-KINDS = ("delta", "digest", "cells", "ae", "ack")
+KINDS = ("delta", "ae", "ack")
 MAX_UINT = 2**63 - 1
 MAX_BLOBS = 4096
 #: (rule, subject, bucket, slot id, value, floor)
@@ -53,8 +51,6 @@ class Message:
     rules: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (window_us, res_us)
     shards: int = 0
     blobs: list[Blob] = field(default_factory=list)
-    digests: dict[int, int] = field(default_factory=dict)
-    want: list[int] = field(default_factory=list)
     ae: dict[str, Any] = field(default_factory=dict)
 
 
@@ -72,10 +68,6 @@ def encode(message: Message) -> bytes:
     }
     if message.blobs:
         body["blobs"] = [[shard, blob] for shard, blob in message.blobs]
-    if message.digests:
-        body["digests"] = message.digests
-    if message.want:
-        body["want"] = message.want
     if message.ae:
         body["ae"] = message.ae
     return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
@@ -153,12 +145,6 @@ def decode(body: bytes, max_blob_bytes: int = 1 << 24) -> Message:
         if len(entry) != 2 or type(entry[1]) is not bytes:
             raise _fail("a blob entry is [shard, bytes]")
         message.blobs.append((_uint(entry[0], "blob shard"), entry[1]))
-    digests = raw.get("digests", {})
-    if not isinstance(digests, Mapping):
-        raise _fail("digests must be a map")
-    for part, digest in digests.items():
-        message.digests[_uint(part, "partition")] = _uint(digest, "digest")
-    message.want = [_uint(p, "wanted partition") for p in _list(raw.get("want", []), "want")]
     ae = raw.get("ae", {})
     if not isinstance(ae, dict) or not all(type(k) is str for k in ae):
         raise _fail("ae must be a map with string keys")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from geolimit.server.api import add_api_routes, add_health_routes
 from geolimit.server.config import AgentConfig
 from geolimit.server.gossip_http import add_gossip_routes
 from geolimit.server.metrics import AgentMetrics
+from geolimit.server.workers import WorkerSigner, owned_shards
 
 __all__ = ["Agent"]
 
@@ -51,17 +53,24 @@ class Agent:
         *,
         clock: Clock | None = None,
         transport: Transport | None = None,
+        worker_index: int = 0,
     ) -> None:
         self.config = config
         self._clock: Callable[[], float] = clock or time.time
         self._decision_clock = clock
-        self.signer = Signer(config.secret, config.region, self._clock)
+        # Worker ``worker_index`` of ``config.workers`` (geolimit/server/workers.py): owns shards s % N == i.
+        self.worker_index = worker_index
+        self.owned = owned_shards(config.shards, worker_index, config.workers)
+        self.signer = Signer(config.secret, config.region, self._clock) if config.workers == 1 else \
+            WorkerSigner(config.secret, config.region, self._clock, index=worker_index, workers=config.workers)
         self.verifier = Verifier(config.secret, [p.name for p in config.peers], config.region, config.auth_window,
                                  self._clock)
         self._transport = transport
         self.limiter: AsyncLimiter | None = None
         self.engine: GossipEngine | None = None
         self.metrics = AgentMetrics(lambda: self.engine, self._clock)
+        if config.workers > 1:  # a scrape sees the worker that answered: say which
+            self.metrics.registry.set_target_info({"worker": str(worker_index), "workers": str(config.workers)})
         self._runners: list[web.AppRunner] = []
         self._addresses: list[tuple[str, int]] = []
         self._loop_task: asyncio.Task[None] | None = None
@@ -91,7 +100,7 @@ class Agent:
             self.limiter.store, self.limiter.layout, cfg.region, self.limiter.rules,
             nonce=secrets.token_hex(3).encode(),
             now_us=micros_source(self._decision_clock) or (lambda: None),
-            peers=[p.name for p in cfg.peers],
+            peers=[p.name for p in cfg.peers], owned=self.owned,
         )
         if self._transport is None:
             ssl_ctx = cfg.tls.client_context() if cfg.tls else None
@@ -103,7 +112,8 @@ class Agent:
             interval=cfg.interval, anti_entropy_interval=cfg.anti_entropy_interval,
             max_backoff=cfg.max_backoff or 2 * cfg.interval,
             heartbeat=max(1.0, cfg.interval), lease_ttl=max(15.0, 20 * cfg.interval),
-            max_cells_per_message=max(1000, min(20_000, cfg.max_message_bytes // 40)),
+            max_cells_per_message=max(1000, min(20_000, cfg.max_message_bytes // 40)), send_timeout=cfg.timeout,
+            anti_entropy=self.worker_index == 0,  # one initiator per region; every worker serves exchanges
         )
         self.engine = GossipEngine(cfg.region, [p.name for p in cfg.peers], store, self._transport, settings, self._clock)
         gossip_app = web.Application(client_max_size=cfg.max_message_bytes + 1)
@@ -122,7 +132,8 @@ class Agent:
                 runner = web.AppRunner(app, access_log=None, handle_signals=False)
                 await runner.setup()
                 self._runners.append(runner)
-                site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_address=True)
+                site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_address=True,
+                                   reuse_port=cfg.workers > 1 or None)  # the workers share the port
                 await site.start()
                 sock = site._server.sockets[0]  # type: ignore[union-attr]
                 self._addresses.append(sock.getsockname()[:2])
@@ -130,8 +141,9 @@ class Agent:
             await self._close()
             raise GeolimitError(f"agent {cfg.region}: cannot listen: {exc}") from exc
         self._listening = True
-        log.info("agent %s listening on %s (peers: %s)", cfg.region, self.url,
-                 ", ".join(p.name for p in cfg.peers) or "none")
+        log.info("agent %s listening on %s (peers: %s)%s", cfg.region, self.url,
+                 ", ".join(p.name for p in cfg.peers) or "none",
+                 f" as worker {self.worker_index} of {cfg.workers}" if cfg.workers > 1 else "")
 
     async def start(self) -> None:
         """Listen (if not yet) and start the gossip loop."""
@@ -186,6 +198,7 @@ class Agent:
         self._runners.clear()
         if self.engine is not None:
             await self.engine.cancel()
+            await self.engine.close()
         if self._transport is not None:
             await self._transport.close()
         if self.limiter is not None:
@@ -256,7 +269,7 @@ class Agent:
         await limiter.verify_rules(config.rules)
         old = self.config
         limiter.set_rules(config.rules)
-        self.engine.store.set_rules(limiter.rules)
+        self.engine.set_rules(limiter.rules)
         restart = [
             name for name, a, b in (
                 ("listen", old.listen, config.listen), ("api_listen", old.api_listen, config.api_listen),
@@ -271,7 +284,8 @@ class Agent:
         summary = [f"+{n}" for n in after if n not in before] + [f"-{n}" for n in before if n not in after]
         summary += [f"~{n}" for n in after if n in before and after[n] != before[n]]
         self.config = replace(config, listen=old.listen, api_listen=old.api_listen, peers=old.peers,
-                              secret=old.secret, redis_url=old.redis_url, interval=old.interval)
+                              secret=old.secret, redis_url=old.redis_url, interval=old.interval,
+                              workers=old.workers)
         return " ".join(summary)
 
     # -- introspection --------------------------------------------------------
@@ -343,6 +357,8 @@ class Agent:
                     "cells_sent": peer.cells_sent,
                     "cells_received": peer.cells_received,
                     "anti_entropy_ok": peer.ae_ok,
+                    "anti_entropy": engine.repair.status(peer.name),
+                    "refused_cells": peer.refused,
                     "rtt": round(peer.rtt, 4),
                     "clock_offset": round(peer.skew, 3),
                 }
@@ -356,5 +372,8 @@ class Agent:
             "waiting_for": waiting,
             "peers": peers,
             "failures": self.background_failures(),
+            # Several workers: the outbox figures above are those of this worker's shards.
+            "worker": {"index": self.worker_index, "workers": self.config.workers, "shards": len(self.owned),
+                       "pid": os.getpid()},
             "rules": {r.name: r.describe() for r in self.config.rules},
         }

@@ -26,7 +26,7 @@ import os
 import ssl
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -45,12 +45,12 @@ else:  # pragma: no cover
 __all__ = [
     "AgentConfig", "PeerConfig", "TLSConfig", "check_keys", "get_table", "load_config", "load_toml",
     "parse_config", "parse_listen", "parse_positive_int", "parse_rules", "parse_seconds", "read_secret",
-    "require", "resolve_path",
+    "require", "resolve_path", "with_workers",
 ]
 
 _SECTIONS = {
     "region": {"name", "redis_url", "listen", "secret_file", "key_prefix", "shards", "on_error", "api_listen", "api_token_file",
-               "redis_timeout"},
+               "redis_timeout", "workers"},
     "gossip": {"interval", "peers", "anti_entropy_interval", "max_message_bytes", "max_backoff", "timeout",
                "outbox_limit", "auth_window", "tls"},
     "log": {"format", "level"},
@@ -61,6 +61,8 @@ _TLS_KEYS = {"cert_file", "key_file", "ca_file", "verify_peers"}
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: The longest region.redis_timeout accepted, in seconds.
 MAX_REDIS_TIMEOUT = 60.0
+#: The most worker processes per region (region.workers, geolimit agent --workers).
+MAX_WORKERS = 64
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ class AgentConfig:
     api_listen: tuple[str, int] | None = None
     api_token: str | None = field(default=None, repr=False)
     tls: TLSConfig | None = None
+    workers: int = 1  # agent worker processes of this region (geolimit/server/workers.py)
     log_format: str = "text"
     log_level: str = "INFO"
     path: Path | None = None
@@ -223,7 +226,7 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
         if level not in _LOG_LEVELS:
             raise ConfigError(f"{src}: log.level must be one of {', '.join(_LOG_LEVELS)} (any case), got {level!r}")
         opts["log_level"] = level
-    return AgentConfig(
+    config = AgentConfig(
         region=name,
         redis_url=redis_url,
         listen=listen,
@@ -233,6 +236,26 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
         path=path,
         **opts,
     )
+    return with_workers(config, region["workers"], f"{src}: region.workers") if "workers" in region else config
+
+
+def with_workers(config: AgentConfig, workers: object, where: str = "--workers") -> AgentConfig:
+    """``config`` with ``workers`` worker processes, checked (``where`` names the setting in errors).
+
+    From 1 to :data:`MAX_WORKERS`, at most one per shard; several workers share the
+    listen addresses (SO_REUSEPORT), so those need fixed ports.
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+        raise ConfigError(f"{where} must be an integer from 1 to {MAX_WORKERS}, got {workers!r}")
+    if workers > config.shards:
+        raise ConfigError(f"{where} = {workers} exceeds region.shards = {config.shards}: every worker owns "
+                          f"at least one shard")
+    if workers > 1:
+        for key, address in (("region.listen", config.listen), ("region.api_listen", config.api_listen)):
+            if address is not None and address[1] == 0:
+                raise ConfigError(f"{where} = {workers} needs a fixed port in {key}: the workers share it "
+                                  f"(SO_REUSEPORT), and with port 0 each would get a port of its own")
+    return replace(config, workers=workers)
 
 
 def check_keys(table: Mapping[str, Any], allowed: set[str], src: str, where: str) -> None:

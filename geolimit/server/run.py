@@ -15,7 +15,8 @@ from typing import Any
 
 from geolimit.errors import ConfigError, GeolimitError
 from geolimit.server.agent import Agent
-from geolimit.server.config import AgentConfig, load_config
+from geolimit.server.config import AgentConfig, load_config, with_workers
+from geolimit.server.workers import Supervisor, watch_parent
 
 __all__ = ["JsonFormatter", "configure_logging", "process_signals", "run_agent"]
 
@@ -26,22 +27,28 @@ STOP_GRACE = 10.0
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line."""
+    """One JSON object per line (with ``"worker": i`` in a worker process)."""
+
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self.worker = worker
 
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
+        entry: dict[str, object] = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if self.worker is not None:
+            entry["worker"] = self.worker
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
 
 
-def configure_logging(fmt: str = "text", level: str = "INFO") -> None:
-    """Log to stderr in ``fmt`` ("text" or "json").
+def configure_logging(fmt: str = "text", level: str = "INFO", worker: int | None = None) -> None:
+    """Log to stderr in ``fmt`` ("text" or "json"), naming the ``worker`` process if given.
 
     The handler sits on the root logger so that aiohttp's and asyncio's messages
     come out in the same format (one JSON object per line with ``fmt="json"``);
@@ -49,9 +56,10 @@ def configure_logging(fmt: str = "text", level: str = "INFO") -> None:
     """
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(JsonFormatter(worker))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        tag = "" if worker is None else f" [worker {worker}]"
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{tag}: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
@@ -96,10 +104,50 @@ def process_signals(on_hangup: Callable[[], Coroutine[Any, Any, None]] | None) -
             loop.remove_signal_handler(sig)
 
 
-async def _serve(config: AgentConfig, flush_timeout: float, path: str | None = None) -> int:
-    agent = Agent(config)
+async def _serve(config: AgentConfig, flush_timeout: float, path: str | None = None,
+                 worker_index: int | None = None) -> int:
+    agent = Agent(config, worker_index=worker_index or 0)
     with process_signals(None if path is None else lambda: _reload(agent, path)) as stop:
-        return await _supervise(agent, config, stop, flush_timeout)
+        # A worker whose supervisor is gone stops as on SIGTERM (it would hold the shared port).
+        orphan = asyncio.ensure_future(watch_parent(stop)) if worker_index is not None else None
+        try:
+            return await _supervise(agent, config, stop, flush_timeout)
+        finally:
+            if orphan is not None:
+                orphan.cancel()
+
+
+async def _serve_workers(config: AgentConfig, flush_timeout: float, path: str, pinned: bool) -> int:
+    """The supervisor of ``config.workers`` worker processes (``pinned``: --workers was given)."""
+    supervisor = Supervisor(path, config.workers, region=config.region, flush_timeout=flush_timeout,
+                            stop_timeout=flush_timeout + STOP_GRACE + 5.0)
+
+    async def hangup() -> None:
+        supervisor.reload()  # each worker re-reads the file and keeps its rules if it is invalid
+        with contextlib.suppress(GeolimitError):
+            workers = load_config(path).workers
+            if not pinned and workers != config.workers:
+                log.warning("agent %s: region.workers changed from %d to %d: restart the agent to apply it",
+                            config.region, config.workers, workers)
+
+    with process_signals(hangup) as stop:
+        try:
+            await supervisor.start()
+        except OSError as exc:
+            log.error("agent %s: cannot start its workers: %s", config.region, exc)
+            await supervisor.stop()
+            return 1
+        gave_up = asyncio.ensure_future(supervisor.wait())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({gave_up, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        failed = gave_up.done()
+        for task in (gave_up, stopper):
+            task.cancel()
+        await asyncio.gather(gave_up, stopper, return_exceptions=True)
+        if not failed:
+            log.info("agent %s: stopping %d workers", config.region, config.workers)
+        code = await supervisor.stop()
+        return 1 if failed else code
 
 
 async def _supervise(agent: Agent, config: AgentConfig, stop: asyncio.Event, flush_timeout: float) -> int:
@@ -134,15 +182,25 @@ async def _supervise(agent: Agent, config: AgentConfig, stop: asyncio.Event, flu
     return 0
 
 
-def run_agent(config_path: str, flush_timeout: float = 2.0) -> int:
+def run_agent(config_path: str, flush_timeout: float = 2.0, workers: int | None = None,
+              worker_index: int | None = None) -> int:
     """Run the agent of ``config_path`` until SIGTERM/SIGINT; the process exit code.
 
     A bad config raises :class:`~geolimit.errors.ConfigError` (the CLI prints it and
     exits 1). On SIGTERM the agent stops accepting, tries once to deliver its
-    outboxes within ``flush_timeout`` seconds, and returns 0.
+    outboxes within ``flush_timeout`` seconds, and returns 0. ``workers``
+    overrides ``[region] workers``; with more than one, this process supervises
+    that many worker processes (geolimit/server/workers.py), each run with its
+    ``worker_index``.
     """
     if not flush_timeout >= 0:
         raise ConfigError(f"the flush timeout must be >= 0 seconds, got {flush_timeout!r}")
     config = load_config(config_path)
-    configure_logging(config.log_format, config.log_level)
-    return asyncio.run(_serve(config, flush_timeout, config_path))
+    if workers is not None:
+        config = with_workers(config, workers)
+    if worker_index is not None and not 0 <= worker_index < config.workers:
+        raise ConfigError(f"--worker-index must be from 0 to {config.workers - 1}, got {worker_index}")
+    configure_logging(config.log_format, config.log_level, worker_index if config.workers > 1 else None)
+    if worker_index is None and config.workers > 1:
+        return asyncio.run(_serve_workers(config, flush_timeout, config_path, workers is not None))
+    return asyncio.run(_serve(config, flush_timeout, config_path, worker_index))

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import redis.asyncio
 import redis.asyncio.cluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from geolimit.errors import StorageError
@@ -153,19 +153,38 @@ class AsyncRedisStore:
 
 
 class AsyncClusterStore:
-    """A Redis Cluster through redis-py's asyncio cluster client."""
+    """A Redis Cluster through redis-py's asyncio cluster client.
+
+    The client learns the slot map on first use. Used concurrently before that
+    (a gather of script calls), redis-py 8.1 may fail with an ``AttributeError``
+    from a half-set-up connection, so the map is loaded once, under a lock,
+    before any command. Any other unexpected client failure becomes a
+    :class:`StorageError`, so the caller's ``on_error`` policy applies.
+    """
 
     clustered = True
 
     def __init__(self, cluster: redis.asyncio.cluster.RedisCluster) -> None:
         self._cluster = cluster
+        self._ready = False
+        self._lock: asyncio.Lock | None = None
 
     def client(self) -> redis.asyncio.cluster.RedisCluster:
         return self._cluster
 
+    async def _initialize(self) -> None:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if not self._ready:
+                await self._cluster.initialize()
+                self._ready = True
+
     async def run(self, script: LuaScript, args: list[bytes]) -> Any:
         sha = script.sha.decode()
         try:
+            if not self._ready:
+                await self._initialize()
             try:
                 return await self._cluster.evalsha(sha, *args)  # type: ignore[arg-type]
             except NoScriptError:
@@ -173,6 +192,9 @@ class AsyncClusterStore:
                 return await self._cluster.evalsha(sha, *args)  # type: ignore[arg-type]
         except RedisError as exc:
             raise StorageError(f"Redis Cluster error: {describe_error(exc)}") from exc
+        except (RedisClusterException, AttributeError, TypeError, IndexError, KeyError) as exc:
+            # RedisClusterException is not a RedisError; the others are the client's own bugs.
+            raise StorageError(f"Redis Cluster client failed: {type(exc).__name__}: {exc}") from exc
 
     async def run_many(self, script: LuaScript, calls: list[list[bytes]]) -> list[Any]:
         async def one(args: list[bytes]) -> Any:
@@ -181,12 +203,19 @@ class AsyncClusterStore:
             except StorageError as exc:
                 return exc
 
+        if not self._ready and calls:
+            try:
+                await self._initialize()
+            except (RedisError, RedisClusterException) as exc:
+                raise StorageError(f"Redis Cluster error: {describe_error(exc)}") from exc
         return list(await asyncio.gather(*(one(args) for args in calls)))
 
     async def read(self, keys: list[bytes]) -> list[dict[bytes, bytes]]:
         try:
+            if not self._ready:
+                await self._initialize()
             return [await self._cluster.hgetall(key) for key in keys]  # type: ignore[misc]
-        except RedisError as exc:
+        except (RedisError, RedisClusterException) as exc:
             raise StorageError(f"Redis Cluster error: {describe_error(exc)}") from exc
 
     async def close(self) -> None:

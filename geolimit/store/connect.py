@@ -15,7 +15,9 @@ import redis
 import redis.asyncio
 import redis.asyncio.cluster
 import redis.cluster
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+from redis.retry import Retry
 
 from geolimit.errors import ConfigError, StorageError
 from geolimit.store.async_store import AsyncClusterStore, AsyncRedisStore, AsyncStore
@@ -52,11 +54,17 @@ def split_cluster_url(url: str, cluster: bool | None = None) -> tuple[bool, str]
     return bool(cluster), url
 
 
-def _options(timeout: float | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _options(timeout: float | None, kwargs: dict[str, Any], cluster: bool = False) -> dict[str, Any]:
     opts = dict(kwargs)
     if timeout is not None:
         opts.setdefault("socket_timeout", timeout)
         opts.setdefault("socket_connect_timeout", timeout)
+        if cluster:
+            # redis-py's cluster client retries a timed-out command (3 times by
+            # default, refreshing the slot map in between), so one call against a
+            # hung master took 4+ timeouts. A decision must honour the timeout:
+            # no retries (MOVED/ASK redirections are followed regardless).
+            opts.setdefault("retry", Retry(NoBackoff(), 0))
     opts.pop("decode_responses", None)
     return opts
 
@@ -65,7 +73,7 @@ def open_sync_store(
     url: str, *, cluster: bool | None = None, timeout: float | None = 1.0, **kwargs: Any
 ) -> SyncStore:
     is_cluster, plain = split_cluster_url(url, cluster)
-    opts = _options(timeout, kwargs)
+    opts = _options(timeout, kwargs, is_cluster)
     try:
         if is_cluster:
             return ClusterStore(redis.cluster.RedisCluster.from_url(plain, **opts))
@@ -80,7 +88,7 @@ def open_async_store(
     url: str, *, cluster: bool | None = None, timeout: float | None = 1.0, **kwargs: Any
 ) -> AsyncStore:
     is_cluster, plain = split_cluster_url(url, cluster)
-    opts = _options(timeout, kwargs)
+    opts = _options(timeout, kwargs, is_cluster)
     try:
         if is_cluster:
             return AsyncClusterStore(redis.asyncio.cluster.RedisCluster.from_url(plain, **opts))

@@ -21,19 +21,17 @@ from geolimit.core.keys import KeyLayout
 from geolimit.core.rule import Rule
 from geolimit.core.window import read_key
 from geolimit.errors import ProtocolError
-from geolimit.replication import antientropy
 from geolimit.replication.antientropy import (
     MAX_BLOB_CELLS,
     AntiEntropy,
     AntiEntropyResult,
-    _Local,
-    _Plan,
-    _Progress,
     check_blob,
     digest_of_cells,
     key_seed,
-    leaves_per_shard,
 )
+from geolimit.replication.antientropy import local as ae_local
+from geolimit.replication.antientropy.common import _Plan, leaves_per_shard
+from geolimit.replication.antientropy.local import _Local, _Progress
 from geolimit.store.async_store import AsyncStore
 from geolimit.store.connect import open_async_store
 from geolimit.store.embedded import EmbeddedRedis
@@ -527,7 +525,7 @@ async def test_scan_streams_split_the_keyspace_exactly(
     assert one.shard_digests == four.shard_digests
     await one.reduce()
     await four.reduce()
-    monkeypatch.setattr(antientropy, "PENDING_NUMBERS", 1000)  # leaves added during the pass
+    monkeypatch.setattr(ae_local, "PENDING_NUMBERS", 1000)  # leaves added during the pass
     small = await _Local(a.store, a.layout, 256, streams=2).digests(plan, _Progress())
     assert len(small.pending) < 2000
     await small.reduce()

@@ -1,4 +1,4 @@
-"""Pure replication parts: wire format and blobs, digests (signatures: test_auth.py)."""
+"""Pure replication parts: wire format and blobs (signatures: test_auth.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from geolimit import ProtocolError
 from geolimit.core.keys import KeyLayout
 from geolimit.replication import wire
-from geolimit.replication.digest import key_digest, partition_digests
 from geolimit.replication.redis_io import blobs_from_cells
 from tests.support.blobs import unblob
 
@@ -57,10 +56,3 @@ def test_decode_rejects_garbage_with_protocol_errors() -> None:
             wire.decode(body)
 
 
-def test_digests_ignore_order_and_detect_any_difference() -> None:
-    a = {("api", b"x"): [(1, "a/1", 5, 0), (2, "b/1", 3, 1)], ("api", b"y"): [(1, "a/1", 1, 0)]}
-    b = {("api", b"y"): [(1, "a/1", 1, 0)], ("api", b"x"): [(2, "b/1", 3, 1), (1, "a/1", 5, 0)]}
-    assert partition_digests(a) == partition_digests(b)
-    c = {**a, ("api", b"x"): [(1, "a/1", 5, 0), (2, "b/1", 3, 2)]}
-    assert partition_digests(a) != partition_digests(c)
-    assert key_digest("api", b"x", [(1, "a/1", 0, 0)]) == key_digest("api", b"x", [])

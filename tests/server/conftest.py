@@ -13,7 +13,7 @@ from geolimit import Rule
 from geolimit.server.agent import Agent
 from geolimit.server.config import AgentConfig, PeerConfig
 from geolimit.store.embedded import EmbeddedRedis
-from tests.support.regions import dead_url
+from tests.support.regions import dead_url, eventually
 
 RULES = (Rule("api", 5, 10, 1), Rule("tiny", 2, 10, 1), Rule("hourly", 100, 3600, 360))
 StartAgent = Callable[..., Awaitable[Agent]]
@@ -43,6 +43,9 @@ async def start_agent(region_redis: EmbeddedRedis) -> AsyncIterator[StartAgent]:
         agent = Agent(AgentConfig(**(options | overrides)))
         agents.append(agent)
         await (agent.start() if run else agent.listen())
+        if run:  # hits are queued for peers once the first round holds the lease
+            await eventually(lambda: bool(agent.engine is not None and agent.engine.own_slots),
+                             what="the agent's first round")
         return agent
 
     try:

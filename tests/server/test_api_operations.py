@@ -30,7 +30,7 @@ async def get(session: aiohttp.ClientSession, agent: Agent, path: str, **kwargs:
 
 async def test_status_reports_region_incarnation_and_each_peer(start_agent: StartAgent,
                                                                session: aiohttp.ClientSession) -> None:
-    agent = await start_agent()
+    agent = await start_agent()  # returns once its first round holds the lease
     assert (await check(session, agent, U))[0] == 200
 
     async def b_is_behind() -> bool:

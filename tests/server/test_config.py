@@ -11,7 +11,7 @@ import pytest
 
 from geolimit import Rule
 from geolimit.errors import ConfigError
-from geolimit.server.config import AgentConfig, load_config
+from geolimit.server.config import AgentConfig, load_config, with_workers
 from tests.server.helpers import dump_toml, make_cert, region_config, write_secret
 
 REDIS = "redis://127.0.0.1:6379/0"  # only parsed here: nothing connects to it
@@ -313,3 +313,43 @@ def test_rule_policies_are_parsed(tmp_path: Path) -> None:
     config.write_text(config.read_text().replace('"share"', '"open"'))
     with pytest.raises(ConfigError, match="partition must be"):
         load_config(config)
+
+
+def test_workers_default_to_one_and_take_a_fixed_port(tmp_path: Path, secret: bytes) -> None:
+    assert load(tmp_path, valid()).workers == 1
+    data = valid()
+    data["region"] |= {"workers": 4, "listen": "127.0.0.1:7400", "api_listen": "127.0.0.1:7410"}
+    assert load(tmp_path, data).workers == 4
+    data["region"]["workers"] = 64
+    assert load(tmp_path, data).workers == 64
+
+
+@pytest.mark.parametrize(("region", "expected"), [
+    pytest.param({"workers": 0}, "region.workers must be an integer from 1 to 64, got 0", id="zero"),
+    pytest.param({"workers": 65}, "region.workers must be an integer from 1 to 64, got 65", id="too-many"),
+    pytest.param({"workers": -2}, "region.workers must be an integer from 1 to 64, got -2", id="negative"),
+    pytest.param({"workers": True}, "region.workers must be an integer from 1 to 64, got True", id="bool"),
+    pytest.param({"workers": "2"}, "region.workers must be an integer from 1 to 64, got '2'", id="string"),
+    pytest.param({"workers": 1.5}, "region.workers must be an integer from 1 to 64, got 1.5", id="float"),
+    pytest.param({"workers": 8, "shards": 4}, "region.workers = 8 exceeds region.shards = 4", id="more-than-shards"),
+    pytest.param({"workers": 2, "listen": "127.0.0.1:0"}, "region.workers = 2 needs a fixed port in region.listen",
+                 id="listen-port-0"),
+    pytest.param({"workers": 2, "api_listen": "127.0.0.1:0"},
+                 "region.workers = 2 needs a fixed port in region.api_listen", id="api-listen-port-0"),
+])
+def test_bad_workers_are_refused(tmp_path: Path, secret: bytes, region: dict[str, Any], expected: str) -> None:
+    data = valid()
+    data["region"] |= {"listen": "127.0.0.1:7400"} | region
+    assert expected in refused(tmp_path, data)
+
+
+def test_with_workers_overrides_the_file_and_checks_the_same_way(tmp_path: Path, secret: bytes) -> None:
+    data = valid()
+    data["region"] |= {"listen": "127.0.0.1:7400", "workers": 2}
+    config = load(tmp_path, data)
+    assert with_workers(config, 3).workers == 3
+    assert with_workers(config, 1).workers == 1
+    with pytest.raises(ConfigError, match="--workers must be an integer from 1 to 64, got 0"):
+        with_workers(config, 0)
+    with pytest.raises(ConfigError, match="--workers = 2 needs a fixed port"):
+        with_workers(load(tmp_path, valid()), 2)

@@ -95,6 +95,15 @@ local function seed(suffix, L)
   return k2 % L, k1, k2
 end
 
+-- A key's head bucket from its HGETALL (usually the first field), or c if it has none.
+local function head_of(flat, c)
+  if flat[1] == 'h' then return fieldnum(flat[2]) or c end
+  for i = 3, #flat, 2 do
+    if flat[i] == 'h' then return fieldnum(flat[i + 1]) or c end
+  end
+  return c
+end
+
 -- The live non-zero cells of a key's HGETALL whose slot index is in known,
 -- into out as slot, bucket, value, floor, ...; returns their number.
 -- rule = {c, N, M, F}. Fields that are not integers (or values that are not
@@ -103,15 +112,7 @@ local bases = {}
 local function cells_of(flat, rule, known, out)
   local c, N, M, F = rule[1], rule[2], rule[3], rule[4]
   local nf = #flat
-  local h
-  if flat[1] == 'h' then
-    h = fieldnum(flat[2])
-  else
-    for i = 3, nf, 2 do
-      if flat[i] == 'h' then h = fieldnum(flat[i + 1]) break end
-    end
-  end
-  if not h then h = c end
+  local h = head_of(flat, c)
   local lo, hi, n = c - N, c + F, 0
   local floors
   for i = 1, nf, 2 do
@@ -240,15 +241,7 @@ end
 local function key_sums(flat, rule, codes)
   local c, N, M, F = rule[1], rule[2], rule[3], rule[4]
   local nf = #flat
-  local h
-  if flat[1] == 'h' then
-    h = fieldnum(flat[2])
-  else
-    for i = 3, nf, 2 do
-      if flat[i] == 'h' then h = fieldnum(flat[i + 1]) break end
-    end
-  end
-  if not h then h = c end
+  local h = head_of(flat, c)
   local lo, hi = c - N, c + F
   local s1, s2, n = 0, 0, 0
   for i = 1, nf, 2 do

@@ -1,6 +1,7 @@
 -- drain: move up to max_keys of this shard's changed keys into every peer's
--- outbox (bounded work per call), renew the agent's lease and publish peer
--- freshness, forgetting peers that are no longer configured.
+-- outbox (bounded work per call: more keys only when one RENAME moves them, in
+-- O(1)), renew the agent's lease and publish peer freshness, forgetting peers
+-- that are no longer configured.
 -- KEYS: registry, changed, peers
 -- ARGV: now_us|'', region, nonce, candidate incarnation, lease_us, max_keys,
 --       regions, npeers, then per peer: name, age_us
@@ -33,19 +34,45 @@ for i = 1, #known do
   end
 end
 call('HSET', peers, unpack(fresh))
-local taken = {}
-if call('EXISTS', chg) == 1 then
-  taken = call('HRANDFIELD', chg, max_keys, 'WITHVALUES')
-end
-if #taken > 0 then
+-- Fan out at most max_keys changed keys. When they all fit, a peer whose outbox
+-- is empty gets a copy of the changed hash (COPY / RENAME, no per-key Lua; with
+-- one peer the RENAME is O(1) whatever the size, so it takes every key); the
+-- others merge the entries into what they already hold.
+local n, taken = call('HLEN', chg), 0
+if n > 0 then
+  local empty = {}
   for i = 1, npeers do
-    enqueue(tag .. '#o:' .. names[i], tag .. '#t:' .. names[i], taken, now)
+    if call('EXISTS', tag .. '#o:' .. names[i]) == 0 then empty[#empty + 1] = i end
   end
-  local del = {}
-  for i = 1, #taken, 2 do del[#del + 1] = taken[i] end
-  chunked('HDEL', chg, del, 1000)
+  if n <= max_keys or (npeers == 1 and #empty == 1) then
+    local flat, e = nil, 1
+    for i = 1, npeers do
+      if empty[e] == i then
+        e = e + 1
+      else
+        flat = flat or call('HGETALL', chg)
+        enqueue(tag .. '#o:' .. names[i], tag .. '#t:' .. names[i], flat, now)
+      end
+    end
+    for j = 1, #empty do
+      local name = names[empty[j]]
+      if j < #empty then call('COPY', chg, tag .. '#o:' .. name) else call('RENAME', chg, tag .. '#o:' .. name) end
+      call('SET', tag .. '#t:' .. name, fmt(now), 'NX')
+    end
+    if #empty == 0 then call('DEL', chg) end
+    taken = n
+  else
+    local flat = take(chg, n, max_keys, now)
+    for i = 1, npeers do
+      enqueue(tag .. '#o:' .. names[i], tag .. '#t:' .. names[i], flat, now)
+    end
+    local del = {}
+    for i = 1, #flat, 2 do del[#del + 1] = flat[i] end
+    chunked('HDEL', chg, del, 1000)
+    taken = #del
+  end
 end
-local out = {ARGV[2] .. '/' .. own, call('HLEN', chg), #taken / 2}
+local out = {ARGV[2] .. '/' .. own, n - taken, taken}
 for i = 1, npeers do
   out[#out + 1] = call('HLEN', tag .. '#o:' .. names[i])
   out[#out + 1] = tonumber(call('GET', tag .. '#t:' .. names[i])) or -1

@@ -1,36 +1,55 @@
 -- merge: validate a peer's blob for one shard, then max-merge its cells.
 -- KEYS: registry
--- ARGV: now_us|'', region, nonce, apply (1|0), max_cells, max_new_slots,
---       max_slots, nregions, regions..., nrules, per rule: name, res_us, N, M, F, ttl_ms,
---       nrelay, relay peers..., blob
+-- ARGV: now_us|'', region, nonce, apply, mode ('delta'|'repair'), max_cells,
+--       max_new_slots, max_slots, nregions, regions..., nrules, per rule: name,
+--       res_us, N, M, F, ttl_ms, nrelay, relay peers..., blob
 -- The blob is msgpack [slots, suffix, cells, suffix, cells, ...] (see pack.lua).
--- Every check runs before any write; with apply = 0 nothing is written at all.
+-- apply: '0' check only (nothing is written at all), '1' check, then write,
+-- '2' write a blob that a '0' call (same blob and limits) accepted: the
+-- per-cell type and range checks are skipped, the registry and own-slot checks
+-- run again. Every check runs before any write.
 -- Refused: {0, reason}. Accepted: {1, cells, increased, dropped_old, dropped_future,
---   unknown_rule, relayed (keys queued for relay peers)}
+--   unknown_rule, relayed (keys queued for relay peers), own_ahead}; fields may
+--   be appended to this reply, so readers ignore what they do not know.
+-- A cell that claims more in the receiver's own current slot than it counted
+-- refuses the blob in 'delta' mode; in 'repair' mode (anti-entropy after a
+-- failover or a restore lost this region's latest writes) it is skipped, never
+-- written, and counted in own_ahead.
 -- Cells outside [c - N, c + F] are dropped (too old to matter / too far in the
 -- future). Keys whose state rose are queued, every slot from the lowest raised
 -- bucket, in the outboxes of the relay peers.
 local now = clock(ARGV[1])
 local reg = KEYS[1]
 local region, nonce = ARGV[2], ARGV[3]
-local apply = ARGV[4] == '1'
-local max_cells, max_new, max_slots = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local apply, checked, repair = ARGV[4] ~= '0', ARGV[4] == '2', ARGV[5] == 'repair'
+local max_cells, max_new, max_slots = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local allowed = {}
-local a = 9
-for _ = 1, tonumber(ARGV[8]) do allowed[ARGV[a]] = true a = a + 1 end
+local a = 10
+for _ = 1, tonumber(ARGV[9]) do allowed[ARGV[a]] = true a = a + 1 end
 local rules = {}
 local nrules = tonumber(ARGV[a])
 a = a + 1
 for _ = 1, nrules do
-  rules[ARGV[a]] = {tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]),
-                    tonumber(ARGV[a + 4]), ARGV[a + 5]}
+  local res = tonumber(ARGV[a + 1])  -- res, N, M, F, ttl_ms, the current bucket, passed() cache
+  rules[ARGV[a]] = {res, tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), ARGV[a + 5],
+                    bucket(now, res), {}}
   a = a + 6
 end
 local relay = {}
 for _ = 1, tonumber(ARGV[a]) do relay[#relay + 1] = ARGV[a + 1] a = a + 1 end
 local blob = ARGV[a + 1]
+local floor = math.floor
+local tag = tag_of(reg)
 
 local function refuse(why) return {0, why} end
+
+-- fnames[x]: the decimal string of the integer x (field names, heads, values),
+-- formatted once per call: the cells of a blob share a few of each.
+local fnames = setmetatable({}, {__index = function(cache, x)
+  local s = fmt(x)
+  cache[x] = s
+  return s
+end})
 
 local ok, t = pcall(cmsgpack.unpack, blob)
 if not ok or type(t) ~= 'table' then return refuse('blob is not msgpack') end
@@ -64,8 +83,9 @@ local used = tonumber(call('HGET', reg, '#')) or 1
 if used + fresh > max_slots then return refuse("the shard's slot registry is full") end
 
 -- Check every key and cell first.
-local total, unknown = 0, 0
+local total, unknown, own_ahead = 0, 0, 0
 local needed = {}  -- slots that cells of known rules use: only those are registered
+local specs = {}  -- blob position of a key -> its rule (false: a rule this region skips)
 local n = #t
 if n % 2 ~= 1 then return refuse('blob has a key without cells') end
 for i = 2, n, 2 do
@@ -77,39 +97,61 @@ for i = 2, n, 2 do
   total = total + m / 4
   if total > max_cells then return refuse('too many cells in one blob') end
   local stop = string.find(suffix, ':', 1, true)
-  local known = stop and rules[string.sub(suffix, 1, stop - 1)]
+  local known = stop and rules[string.sub(suffix, 1, stop - 1)] or false
   if not known then unknown = unknown + m / 4 end
-  for j = 1, m do
-    local x = cells[j]
-    if type(x) ~= 'number' or x ~= x or x < 0 or x ~= math.floor(x) then
-      return refuse('a cell field is not a non-negative integer')
+  specs[i] = known
+  local mine = 0
+  if checked then  -- types and ranges passed the check call: only note the slots used
+    if known then
+      for j = 2, m, 4 do
+        local r = cells[j]
+        needed[r + 1] = true
+        if r == own_ref then mine = mine + 1 end
+      end
     end
-    local kind = j % 4
-    if kind == 2 then
-      if x >= nslots then return refuse('slot reference out of range') end
-      if known then needed[x + 1] = true end
-    elseif x > MAX_VALUE then
-      return refuse('a cell value is out of range')
+  else
+    for j = 1, m, 4 do
+      local b, r, v, w = cells[j], cells[j + 1], cells[j + 2], cells[j + 3]
+      -- integers >= 0 (NaN fails x >= 0)
+      if type(b) ~= 'number' or type(r) ~= 'number' or type(v) ~= 'number' or type(w) ~= 'number'
+          or not (b >= 0 and r >= 0 and v >= 0 and w >= 0)
+          or b ~= floor(b) or r ~= floor(r) or v ~= floor(v) or w ~= floor(w) then
+        return refuse('a cell field is not a non-negative integer')
+      end
+      if r >= nslots then return refuse('slot reference out of range') end
+      if b > MAX_VALUE or v > MAX_VALUE or w > MAX_VALUE then return refuse('a cell value is out of range') end
+      if known then
+        needed[r + 1] = true
+        if r == own_ref then mine = mine + 1 end
+      end
     end
   end
   -- This region is the only writer of its current slot: an echo of it is fine,
-  -- a claim of more than it counted is refused.
-  if known and own_ref then
+  -- a claim of more than it counted is refused (or, repairing, skipped).
+  if mine > 0 then
     local M = known[3]
+    local fields, at = {'h'}, {}
     for j = 1, m, 4 do
       if cells[j + 1] == own_ref then
-        local b = cells[j]
-        local got = call('HMGET', tag_of(reg) .. ':' .. suffix, 'h', fmt(b % M))
-        local h, have = tonumber(got[1]), 0
-        if h and b <= h and b > h - M then have = tonumber(got[2]) or 0 end
-        if cells[j + 2] > have or cells[j + 3] > have then
-          return refuse("claims more in the receiver's own slot than it counted")
-        end
+        fields[#fields + 1] = fnames[cells[j] % M]
+        at[#at + 1] = j
+      end
+    end
+    local got = hmget_all(tag .. ':' .. suffix, fields)
+    local h = tonumber(got[1])
+    for q = 1, #at do
+      local j = at[q]
+      local b, have = cells[j], 0
+      if h and b <= h and b > h - M then have = tonumber(got[q + 1]) or 0 end
+      if cells[j + 2] > have or cells[j + 3] > have then
+        if not repair then return refuse("claims more in the receiver's own slot than it counted") end
+        own_ahead = own_ahead + 1
+        cells[j + 1] = -1  -- skipped below
       end
     end
   end
 end
-if not apply then return {1, total, 0, 0, 0, unknown, 0} end
+if not apply then return {1, total, 0, 0, 0, unknown, 0, own_ahead} end
 
 -- Apply.
 if not own_inc then ensure_registry(reg, region, nonce) end
@@ -121,111 +163,219 @@ for i = 1, nslots do
   end
 end
 used = used + fresh
-local tag = tag_of(reg)
+
+-- Clear the ring positions of buckets h+1..newh (passed over by a moving head)
+-- of a key read with HMGET: name every candidate field, or list the hash's
+-- fields when that is shorter.
+local function clear(key, h, newh, M)
+  local del, span = {}, newh - h
+  if span * used * 2 <= 64 or span * used * 2 <= call('HLEN', key) then
+    for b = h + 1, newh do
+      local p = b % M
+      for s = 0, used - 1 do
+        del[#del + 1] = fnames[s * M + p]
+        del[#del + 1] = fnames[-(s * M + p) - 1]
+      end
+    end
+  else
+    local names = call('HKEYS', key)
+    for k = 1, #names do
+      local f = tonumber(names[k])
+      if f then
+        if f < 0 then f = -f - 1 end
+        if (f % M - h - 1) % M < span then del[#del + 1] = names[k] end
+      end
+    end
+  end
+  if #del > 0 then chunked('HDEL', key, del, 1000) end
+end
+
+-- The set of field names at the ring positions of buckets h+1..h+span (passed
+-- over when a key's head moves from h to h+span), cached per rule: the keys of
+-- a blob share a few heads. nil for a long span: test each field then.
+local function passed(spec, h, span)
+  if span * used * 2 > 64 then return nil end
+  local M = spec[3]
+  local id = h * M + span
+  local set = spec[7][id]
+  if not set then
+    set = {}
+    for b = h + 1, h + span do
+      local p = b % M
+      for s = 0, used - 1 do
+        set[fnames[s * M + p]] = true
+        set[fnames[-(s * M + p) - 1]] = true
+      end
+    end
+    spec[7][id] = set
+  end
+  return set
+end
+
+-- A key is read whole (HGETALL: then a moving head costs no extra call) while
+-- keys are small: once one has more than 32 fields, the rest of this call reads
+-- only the fields it needs (HMGET). Rules whose keys may grow large always do.
+local dense = false
+for _, spec in pairs(rules) do spec[8] = spec[3] * used * 2 <= 512 end
 local inc, old, fut = 0, 0, 0
-local queued = {}
+local queued, nq, relaying = {}, 0, #relay > 0
+-- This key's cells (bucket, field, value, floor, stored value, stored floor),
+-- reused from key to key; pos/want: field -> cell (cleared after each key).
+local cb, cf, cv, cw, sv, sw, pos, want = {}, {}, {}, {}, {}, {}, {}, {}
+local write, nw = {}, 0
 for i = 2, n, 2 do
-  local suffix, list = t[i], t[i + 1]
-  local stop = string.find(suffix, ':', 1, true)
-  local spec = stop and rules[string.sub(suffix, 1, stop - 1)]
+  local spec = specs[i]
   if spec then
-    local key = tag .. ':' .. suffix
-    local res, N, M, F, ttl = spec[1], spec[2], spec[3], spec[4], spec[5]
-    local c = bucket(now, res)
-    local cells, fields, maxb = {}, {'h'}, nil
+    local key, list = tag .. ':' .. t[i], t[i + 1]
+    local N, M, F, ttl, c = spec[2], spec[3], spec[4], spec[5], spec[6]
+    local k, maxb = 0, nil
     for j = 1, #list, 4 do
-      local b = list[j]
-      if b > c + F then
+      local b, r = list[j], list[j + 1]
+      if r < 0 then
+        -- an own-slot claim skipped in repair mode
+      elseif b > c + F then
         fut = fut + 1
       elseif b < c - N then
         old = old + 1
       else
-        local f = idx[list[j + 1] + 1] * M + b % M
-        cells[#cells + 1] = {b, f, list[j + 2], list[j + 3]}
-        fields[#fields + 1] = fmt(f)
-        fields[#fields + 1] = fmt(-f - 1)
-        if not maxb or b > maxb then maxb = b end
+        local f = idx[r + 1] * M + b % M
+        local p = pos[f]
+        if p then  -- the same cell twice: keep the larger value and floor
+          if list[j + 2] > cv[p] then cv[p] = list[j + 2] end
+          if list[j + 3] > cw[p] then cw[p] = list[j + 3] end
+        else
+          k = k + 1
+          pos[f], cb[k], cf[k], cv[k], cw[k], sv[k], sw[k] = k, b, f, list[j + 2], list[j + 3], 0, 0
+          if not maxb or b > maxb then maxb = b end
+        end
       end
     end
-    if #cells > 0 then
-      local got = hmget_all(key, fields)
-      local h = tonumber(got[1])
+    for q = 1, k do pos[cf[q]] = nil end
+    if k > 0 then
+      local h = nil
+      local whole = not dense and spec[8]
+      local stale = nil  -- fields of the ring positions a moving head passes over
+      if whole then
+        local flat = call('HGETALL', key)
+        local nf = #flat
+        if nf > 64 then dense = true end
+        if nf > 0 then
+          if flat[1] == 'h' then h = tonumber(flat[2]) else
+            for x = 3, nf, 2 do if flat[x] == 'h' then h = tonumber(flat[x + 1]) break end end
+          end
+        end
+        if h then
+          local moves, gone = maxb > h and maxb - h < M, nil
+          if moves then gone = passed(spec, h, maxb - h) end
+          local n1, n2 = nil, nil
+          if k == 1 then
+            if cb[1] <= h and cb[1] > h - M then n1, n2 = fnames[cf[1]], fnames[-cf[1] - 1] end
+          else
+            for q = 1, k do
+              local b = cb[q]
+              if b <= h and b > h - M then
+                want[fnames[cf[q]]] = q
+                want[fnames[-cf[q] - 1]] = -q
+              end
+            end
+          end
+          for x = 1, nf, 2 do
+            local name = flat[x]
+            local drop = false
+            if gone then
+              drop = gone[name]
+            elseif moves then
+              local f = tonumber(name)
+              if f then
+                if f < 0 then f = -f - 1 end
+                drop = (f % M - h - 1) % M < maxb - h
+              end
+            end
+            if drop then
+              stale = stale or {}
+              stale[#stale + 1] = name
+            elseif k == 1 then
+              if name == n1 then sv[1] = tonumber(flat[x + 1]) or 0
+              elseif name == n2 then sw[1] = tonumber(flat[x + 1]) or 0 end
+            else
+              local q = want[name]
+              if q then
+                if q > 0 then sv[q] = tonumber(flat[x + 1]) or 0 else sw[-q] = tonumber(flat[x + 1]) or 0 end
+              end
+            end
+          end
+          if k > 1 then
+            for q = 1, k do
+              want[fnames[cf[q]]] = nil
+              want[fnames[-cf[q] - 1]] = nil
+            end
+          end
+        end
+      else
+        local fields = {'h'}
+        for q = 1, k do
+          fields[2 * q] = fnames[cf[q]]
+          fields[2 * q + 1] = fnames[-cf[q] - 1]
+        end
+        local got = hmget_all(key, fields)
+        h = tonumber(got[1])
+        if h then
+          for q = 1, k do
+            local b = cb[q]
+            if b <= h and b > h - M then
+              sv[q], sw[q] = tonumber(got[2 * q]) or 0, tonumber(got[2 * q + 1]) or 0
+            end
+          end
+        end
+      end
       local newh = h
       if not h or maxb > h then newh = maxb end
       if h and newh > h then
         if newh - h >= M then
           call('DEL', key)
           h = nil
+          for q = 1, k do sv[q], sw[q] = 0, 0 end
+        elseif whole then
+          if stale then chunked('HDEL', key, stale, 1000) end
         else
-          -- Clear the ring positions of buckets h+1..newh: name every candidate
-          -- field, or list the hash when that is cheaper.
-          local del, span = {}, newh - h
-          if span * used * 2 <= call('HLEN', key) then
-            for b = h + 1, newh do
-              local p = b % M
-              for s = 0, used - 1 do
-                del[#del + 1] = fmt(s * M + p)
-                del[#del + 1] = fmt(-(s * M + p) - 1)
-              end
-            end
-          else
-            local names = call('HKEYS', key)
-            for k = 1, #names do
-              local f = tonumber(names[k])
-              if f then
-                if f < 0 then f = -f - 1 end
-                if (f % M - h - 1) % M < span then del[#del + 1] = names[k] end
-              end
-            end
-          end
-          if #del > 0 then chunked('HDEL', key, del, 1000) end
+          clear(key, h, newh, M)
         end
       end
-      local target, set = {}, {}
+      nw = 0
+      if newh ~= h then
+        write[1], write[2], nw = 'h', fnames[newh], 2
+      end
       local lowest = nil
-      for k = 1, #cells do
-        local cell = cells[k]
-        local b, f = cell[1], cell[2]
+      for q = 1, k do
+        local b = cb[q]
         if b <= newh - M then
           old = old + 1
         else
-          local cur = target[f]
-          if not cur then
-            cur = {0, 0}
-            if h and b <= h and b > h - M then
-              cur = {tonumber(got[2 * k]) or 0, tonumber(got[2 * k + 1]) or 0}
-            end
-            target[f] = cur
-            set[#set + 1] = f
-          end
-          local up = false
-          if cell[3] > cur[1] then cur[1] = cell[3] up = true end
-          if cell[4] > cur[2] then cur[2] = cell[4] up = true end
-          if up then
-            cur[3] = true
+          local v, w, v0, w0 = cv[q], cw[q], sv[q], sw[q]
+          if v > v0 or w > w0 then
+            if v < v0 then v = v0 end
+            if w < w0 then w = w0 end
             inc = inc + 1
             if not lowest or b < lowest then lowest = b end
+            local f = cf[q]
+            if v > 0 then write[nw + 1], write[nw + 2], nw = fnames[f], fnames[v], nw + 2 end
+            if w > 0 then write[nw + 1], write[nw + 2], nw = fnames[-f - 1], fnames[w], nw + 2 end
           end
         end
       end
-      local write = {}
-      if newh ~= h then
-        write[1] = 'h'
-        write[2] = fmt(newh)
-      end
-      for k = 1, #set do
-        local f = set[k]
-        local cur = target[f]
-        if cur[3] then
-          if cur[1] > 0 then write[#write + 1] = fmt(f) write[#write + 1] = fmt(cur[1]) end
-          if cur[2] > 0 then write[#write + 1] = fmt(-f - 1) write[#write + 1] = fmt(cur[2]) end
+      -- A key that does not exist and gains nothing is not created.
+      if h or lowest then
+        for x = 1, nw, 1000 do
+          local y = x + 999
+          if y > nw then y = nw end
+          call('HSET', key, unpack(write, x, y))
         end
+        if newh ~= h then call('PEXPIRE', key, ttl) end
       end
-      if #write > 0 then chunked('HSET', key, write, 1000) end
-      if newh ~= h then call('PEXPIRE', key, ttl) end
-      if lowest then
+      if lowest and relaying then
         queued[#queued + 1] = key
         queued[#queued + 1] = fmt(-lowest - 1)
+        nq = nq + 1
       end
     end
   end
@@ -233,4 +383,4 @@ end
 if #queued > 0 then
   for r = 1, #relay do enqueue(tag .. '#o:' .. relay[r], tag .. '#t:' .. relay[r], queued, now) end
 end
-return {1, total, inc, old, fut, unknown, #queued / 2 * #relay}
+return {1, total, inc, old, fut, unknown, nq * #relay, own_ahead}

@@ -2,7 +2,8 @@
 --
 -- Per shard and peer P (tag = '<prefix>:{<shard>}'):
 --   tag#o:P     hash   data key -> entry: keys whose cells P still has to receive
---   tag#f:P:w   hash   the same, for the entries taken into in-flight message slot w
+--   tag#f:P:w   hash   the entries taken into in-flight message slot w: one field
+--                      per pack call, '#<n>' -> msgpack {key, entry, ...}
 --   tag#t:P     string when the oldest entry of tag#o:P was queued (µs), for lag
 -- An entry is a bucket b (send this region's own cells from b on) or -(b + 1)
 -- (send every slot's cells from b on: after a reset, or a relay). Entries merge
@@ -47,20 +48,89 @@ end
 
 -- Merge entries {key, entry, key, entry, ...} into outbox hash `box` (and note
 -- the time of the first pending entry in key `since`, if given and unset).
+-- Duplicate keys in `flat` are combined; an outbox that does not exist yet is
+-- written without being read first.
 local function enqueue(box, since, flat, now)
   local n = #flat
   if n == 0 then return end
-  local names = {}
-  for i = 1, n, 2 do names[#names + 1] = flat[i] end
-  local have = hmget_all(box, names)
-  local write = {}
+  local have = nil
+  if call('EXISTS', box) == 1 then
+    local names = {}
+    for i = 1, n, 2 do names[#names + 1] = flat[i] end
+    have = hmget_all(box, names)
+  end
+  local val, was, keys = {}, {}, {}
   for i = 1, n, 2 do
-    local merged = combine(have[(i + 1) / 2] or nil, flat[i + 1])
-    if merged ~= have[(i + 1) / 2] then
-      write[#write + 1] = flat[i]
-      write[#write + 1] = merged
+    local k = flat[i]
+    local cur = val[k]
+    if cur == nil then
+      cur = have and have[(i + 1) / 2] or false
+      was[k] = cur
+      keys[#keys + 1] = k
+    end
+    val[k] = combine(cur or nil, flat[i + 1])
+  end
+  local write = {}
+  for j = 1, #keys do
+    local k = keys[j]
+    local v = val[k]
+    if v ~= was[k] then
+      write[#write + 1] = k
+      write[#write + 1] = v
     end
   end
   if #write > 0 then chunked('HSET', box, write, 1000) end
   if since then call('SET', since, fmt(now), 'NX') end
+end
+
+-- The entries of in-flight hash `flight`, as {key, entry, ...}. pack.lua writes
+-- one field per call, '#<n>' -> msgpack {key, entry, ...}; any other field is a
+-- single entry (key -> entry, the layout of earlier versions).
+local function in_flight(flight)
+  local flat = call('HGETALL', flight)
+  local out = {}
+  for i = 1, #flat, 2 do
+    local f = flat[i]
+    if string.byte(f, 1) == 35 then  -- '#'
+      local ok, list = pcall(cmsgpack.unpack, flat[i + 1])
+      if ok and type(list) == 'table' then
+        for j = 1, #list do out[#out + 1] = list[j] end
+      end
+    else
+      out[#out + 1] = f
+      out[#out + 1] = flat[i + 1]
+    end
+  end
+  return out
+end
+
+-- Up to `want` entries {field, value, ...} of hash `hash` (which holds n > 0):
+-- all of it when it fits (and then whole = true), else an HSCAN from a cursor
+-- chosen by `seed` (so no part of a large hash waits for ever), wrapping round
+-- once. Bounded: at most 16 HSCAN calls of want - got each.
+local function take(hash, n, want, seed)
+  if n <= want then return call('HGETALL', hash), true end
+  local out, seen, got = {}, {}, 0
+  local cursor = fmt(seed % 1048576)
+  local wrapped = cursor == '0'
+  for _ = 1, 16 do
+    local r = call('HSCAN', hash, cursor, 'COUNT', want - got)
+    local flat = r[2]
+    for i = 1, #flat, 2 do
+      local k = flat[i]
+      if not seen[k] then
+        seen[k] = true
+        got = got + 1
+        out[#out + 1] = k
+        out[#out + 1] = flat[i + 1]
+        if got >= want then return out, false end
+      end
+    end
+    cursor = r[1]
+    if cursor == '0' then
+      if wrapped then break end
+      wrapped = true
+    end
+  end
+  return out, false
 end

@@ -1,5 +1,7 @@
 -- pack: take up to max_keys keys from this shard's outbox for a peer into
--- in-flight slot w, and return their cells as one msgpack blob.
+-- in-flight slot w, and return their cells as one msgpack blob. The keys come
+-- from HGETALL when the whole outbox fits, else from a bounded HSCAN (outbox.lua
+-- take); the slot gets one field per call (see outbox.lua).
 -- KEYS: registry
 -- ARGV: now_us|'', peer, w, max_keys, max_cells, nrules, then per rule: name, res_us, N, M
 -- Reply: {blob|'', keys, cells, outbox_left, unknown, bad}
@@ -18,15 +20,17 @@ local max_keys, max_cells = tonumber(ARGV[4]), tonumber(ARGV[5])
 local rules = {}
 local a = 7
 for _ = 1, tonumber(ARGV[6]) do
-  rules[ARGV[a]] = {tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])}
+  local res = tonumber(ARGV[a + 1])
+  -- res, N, M, the current bucket, and the HMGET field lists by first bucket
+  rules[ARGV[a]] = {res, tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), bucket(now, res), {}}
   a = a + 4
 end
-local taken = {}
-if call('EXISTS', box) == 1 then taken = call('HRANDFIELD', box, max_keys, 'WITHVALUES') end
-if #taken == 0 then
+local n = call('HLEN', box)
+if n == 0 then
   call('DEL', since)
   return {'', 0, 0, 0, 0, 0}
 end
+local taken, whole = take(box, n, max_keys, now)
 
 -- slot index -> slot id. A wide entry sends the peer's own slots too: a reset
 -- here raised their floors, and the peer accepts an echo of its own counts.
@@ -60,26 +64,29 @@ local function num(s)
   return v
 end
 
-local blob = {slots}
+local blob, nb = {slots}, 1
 local moved, done, rest = {}, {}, {}
+local nm, nd = 0, 0
 local nkeys, ncells, unknown, bad = 0, 0, 0, 0
 local head = #tag + 2
+local floor = math.floor
 for i = 1, #taken, 2 do
   if ncells >= max_cells then break end
   local key, entry = taken[i], taken[i + 1]
-  done[#done + 1] = key
-  local from, wide = decode_entry(entry)
+  nd = nd + 1
+  done[nd] = key
+  local from, wide = tonumber(entry), false
+  if from and from < 0 then from, wide = -from - 1, true end
   local suffix = string.sub(key, head)
   local stop = string.find(suffix, ':', 1, true)
   local spec = stop and rules[string.sub(suffix, 1, stop - 1)]
   if not spec or not from then
     unknown = unknown + 1
   else
-    local res, N, M = spec[1], spec[2], spec[3]
-    local c = bucket(now, res)
+    local N, M, c = spec[2], spec[3], spec[4]
     local lo = from
     if lo < c - N then lo = c - N end
-    local cells = {}
+    local cells, n4 = {}, 0
     if wide then
       local flat = call('HGETALL', key)
       local h, vals, floors = nil, {}, {}
@@ -103,10 +110,8 @@ for i = 1, #taken, 2 do
             local v, w = num(vals[f] or '0'), num(fl)
             if v and w then
               if v > 0 or w > 0 then
-                cells[#cells + 1] = b
-                cells[#cells + 1] = ref(idx)
-                cells[#cells + 1] = v
-                cells[#cells + 1] = w
+                cells[n4 + 1], cells[n4 + 2], cells[n4 + 3], cells[n4 + 4] = b, ref(idx), v, w
+                n4 = n4 + 4
               end
             else
               bad = bad + 1
@@ -116,23 +121,38 @@ for i = 1, #taken, 2 do
       end
     elseif lo <= c then
       if not names then load_names() end
-      local fields = {'h'}
-      for b = lo, c do
-        fields[#fields + 1] = fmt(b % M)
-        fields[#fields + 1] = fmt(-(b % M) - 1)
+      local fields = spec[5][lo]
+      if not fields then
+        fields = {'h'}
+        for b = lo, c do
+          fields[#fields + 1] = fmt(b % M)
+          fields[#fields + 1] = fmt(-(b % M) - 1)
+        end
+        if c - lo < 8 then spec[5][lo] = fields end  -- cache only short lists
       end
-      local got = call('HMGET', key, unpack(fields))
+      local got
+      if lo == c then  -- the usual case: one bucket, no unpack()
+        got = call('HMGET', key, fields[1], fields[2], fields[3])
+      else
+        got = call('HMGET', key, unpack(fields))
+      end
       local h = tonumber(got[1])
       if h and names[0] then
+        local r0 = refs[0] or ref(0)
         for b = lo, c do
           local k = 2 * (b - lo) + 2
-          if b <= h and b > h - M and (got[k] or got[k + 1]) then
-            local v, w = num(got[k] or '0'), num(got[k + 1] or '0')
-            if v and w then
-              cells[#cells + 1] = b
-              cells[#cells + 1] = ref(0)
-              cells[#cells + 1] = v
-              cells[#cells + 1] = w
+          local x, y = got[k], got[k + 1]
+          if (x or y) and b <= h and b > h - M then
+            local v, w = 0, 0
+            if x then v = tonumber(x) end
+            if y then w = tonumber(y) end
+            if v and w and v >= 0 and w >= 0 and v <= MAX_VALUE and w <= MAX_VALUE and v == floor(v) and w == floor(w) then
+              if n4 == 0 then
+                cells = {b, r0, v, w}  -- sized once
+              else
+                cells[n4 + 1], cells[n4 + 2], cells[n4 + 3], cells[n4 + 4] = b, r0, v, w
+              end
+              n4 = n4 + 4
             else
               bad = bad + 1
             end
@@ -141,44 +161,44 @@ for i = 1, #taken, 2 do
       end
     end
     local room = max_cells - ncells
-    if #cells / 4 > room then
+    if n4 / 4 > room then
       -- A key larger than the room left (3600 buckets x 3 regions is 10800 cells):
       -- send its oldest buckets now and queue the rest from the first bucket left out.
       local order = {}
-      for j = 1, #cells, 4 do order[#order + 1] = {cells[j], cells[j + 1], cells[j + 2], cells[j + 3]} end
+      for j = 1, n4, 4 do order[#order + 1] = {cells[j], cells[j + 1], cells[j + 2], cells[j + 3]} end
       table.sort(order, function(x, y) return x[1] < y[1] end)
       local cut = order[room + 1][1]
       if cut == order[1][1] then  -- one bucket (at most max_slots cells) always fits in a blob
         for j = 2, #order do if order[j][1] > cut then cut = order[j][1] break end end
         if cut == order[1][1] then cut = order[#order][1] + 1 end
       end
-      cells = {}
+      cells, n4 = {}, 0
       for j = 1, #order do
         local x = order[j]
         if x[1] < cut then
-          cells[#cells + 1] = x[1]
-          cells[#cells + 1] = x[2]
-          cells[#cells + 1] = x[3]
-          cells[#cells + 1] = x[4]
+          cells[n4 + 1], cells[n4 + 2], cells[n4 + 3], cells[n4 + 4] = x[1], x[2], x[3], x[4]
+          n4 = n4 + 4
         end
       end
       rest[#rest + 1] = key
       rest[#rest + 1] = wide and fmt(-cut - 1) or fmt(cut)
     end
-    if #cells > 0 then
-      blob[#blob + 1] = suffix
-      blob[#blob + 1] = cells
+    if n4 > 0 then
+      blob[nb + 1], blob[nb + 2], nb = suffix, cells, nb + 2
       nkeys = nkeys + 1
-      ncells = ncells + #cells / 4
-      moved[#moved + 1] = key
-      moved[#moved + 1] = entry
+      ncells = ncells + n4 / 4
+      moved[nm + 1], moved[nm + 2], nm = key, entry, nm + 2
     end
   end
 end
-chunked('HDEL', box, done, 1000)
+-- Move what was sent from the outbox into in-flight slot w: one field per call,
+-- '#<n>' -> msgpack {key, entry, ...} (cheaper than one hash field per key).
+local emptied = whole and nd * 2 == #taken
+if emptied then call('DEL', box) else chunked('HDEL', box, done, 1000) end
+if nm > 0 then call('HSET', flight, '#' .. fmt(call('HLEN', flight) + 1), cmsgpack.pack(moved)) end
 if #rest > 0 then enqueue(box, since, rest, now) end
-if #moved > 0 then enqueue(flight, nil, moved, now) end
-local left = call('HLEN', box)
+local left = 0
+if not emptied or #rest > 0 then left = call('HLEN', box) end
 if left == 0 then call('DEL', since) end
 if nkeys == 0 then return {'', 0, 0, left, unknown, bad} end
 return {cmsgpack.pack(blob), nkeys, ncells, left, unknown, bad}

@@ -3,15 +3,15 @@
 -- ARGV: now_us|'', peer, w, mode: 'ack' (the peer stored the message: forget
 --   what was sent) or 'nack' (it did not: put the entries back in the outbox,
 --   merged with whatever was queued since)
--- Reply: entries settled
+-- Reply: fields of the in-flight hash settled (one per pack call), 0 if it was empty
 local now = clock(ARGV[1])
 local tag = tag_of(KEYS[1])
 local peer = ARGV[2]
 local flight = tag .. '#f:' .. peer .. ':' .. ARGV[3]
-local n = call('HLEN', flight)
-if n == 0 then return 0 end
+if call('EXISTS', flight) == 0 then return 0 end
 if ARGV[4] == 'nack' then
-  enqueue(tag .. '#o:' .. peer, tag .. '#t:' .. peer, call('HGETALL', flight), now)
+  enqueue(tag .. '#o:' .. peer, tag .. '#t:' .. peer, in_flight(flight), now)
 end
+local n = call('HLEN', flight)
 call('DEL', flight)
 return n

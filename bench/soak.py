@@ -1,0 +1,435 @@
+"""Soak: 3 regions on loopback, 1M live subjects, load as fast as the machine allows.
+
+    python bench/soak.py [--minutes 10] [--subjects 1000000] [--quick] [--json PATH]
+
+Each region has its own redis-server and its own `geolimit agent` process (default
+settings, a fresh secret). One load process per region calls ``AsyncLimiter.hit_many``
+on its region's Redis (what apps do; agents only replicate), on subjects drawn
+uniformly from ``--subjects``, for ``--minutes``. The rule's window covers the run,
+so every subject stays live and its usage must equal every hit the load recorded.
+Printed: decisions/s against a same-run baseline (the same load processes on the
+same redis-servers with no agent: no replication, half before the soak, half after);
+every 10 s each agent's RSS, the largest outbox and outbox age; the gossip lag (the
+agents' outbox age every second, and a probe hit every second timed until both
+other regions count it); CPU per decision; the time after the stop until a sample
+(2000 random subjects plus those last hit) is exact in every region; PASS/MISS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from array import array
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import redis.asyncio
+from _common import (
+    AgentProcess,
+    LoadResult,
+    LoadSpec,
+    agent_json,
+    agent_toml_rule,
+    busy_seconds,
+    call_latency,
+    cell_totals,
+    cpu_per_decision,
+    cpus_busy,
+    failures,
+    log_problems,
+    proc_cpu_seconds,
+    quantile,
+    rate,
+    read_usages,
+    redis_cpu_seconds,
+    rss_mib,
+    run_load,
+    soak_subject,
+    source_state,
+    start_agent_processes,
+    statuses,
+    stop_process,
+    wait_agents_ready,
+)
+
+from geolimit import AsyncLimiter, Rule
+from geolimit.core.keys import KeyLayout
+from geolimit.errors import GeolimitError
+from geolimit.store.embedded import EmbeddedRedis, find_redis_server
+
+REGIONS = ("us-east", "eu-west", "ap-south")
+LAYOUT = KeyLayout("gl", 64)
+SAMPLE = 2000  # random subjects checked after the stop, besides those each load process hit last
+ROW_EVERY, STATUS_EVERY, PROBE_EVERY, CONVERGE_WAIT = 10.0, 1.0, 1.0, 60.0
+RSS_BAND, CONVERGE_TARGET = 0.20, 2.0
+Progress = Any  # a multiprocessing Array('q'): decisions and errors of each load process
+
+
+def soak_rule(minutes: float) -> Rule:
+    """1-minute buckets and a window longer than the run plus 3 minutes: nothing expires."""
+    return Rule("soak", 10**9, 60 * math.ceil((minutes * 60 + 180) / 60), 60)
+
+
+# -- sampling while the soak runs ---------------------------------------------------------
+
+
+@dataclass
+class Samples:
+    status: list[dict[str, Any]] = field(default_factory=list)  # every STATUS_EVERY: t, links
+    rows: list[dict[str, Any]] = field(default_factory=list)  # every ROW_EVERY: the printed table
+    probes: list[float] = field(default_factory=list)
+    probes_lost: int = 0
+    status_errors: int = 0
+    cpu_start: dict[str, float] = field(default_factory=dict)
+    failures_start: dict[str, int] = field(default_factory=dict)  # counted before the load (agents' start-up)
+
+
+async def cpu_now(clients: dict[str, redis.asyncio.Redis], agents: list[AgentProcess]) -> dict[str, float]:
+    """CPU seconds so far: every redis-server and agent, this process, the whole machine."""
+    out = {f"redis {r}": await redis_cpu_seconds(c) for r, c in clients.items()}
+    out |= {"bench": time.process_time(), "machine": busy_seconds(), "wall": time.monotonic()}
+    return out | {f"agent {a.region}": proc_cpu_seconds(a.proc.pid) or math.nan for a in agents}
+
+
+async def sample(agents: list[AgentProcess], clients: dict[str, redis.asyncio.Redis], progress: Progress,
+                 t0: float, stop_at: float, out: Samples) -> None:
+    """Every agent's /v1/status every second; a table row every ROW_EVERY seconds (until cancelled)."""
+    last_row, last_total = t0, 0
+    print(f"{'t s':>5} {'phase':5} {'dec/s':>7} {'errs':>4} " + " ".join(f"{'RSS ' + a.region:>13}" for a in agents)
+          + f" {'outbox max':>10} {'lag max':>7} {'keys/region':>11}")
+    async with aiohttp.ClientSession() as http:
+        while True:
+            await asyncio.sleep(STATUS_EVERY - (time.monotonic() - t0) % STATUS_EVERY)
+            now, links = time.monotonic(), dict[str, dict[str, float]]()
+            for a in agents:
+                try:
+                    st = await agent_json(http, a.url + "/v1/status")
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                    out.status_errors += 1
+                    continue
+                links |= {f"{a.region}>{peer}": {"outbox": p["outbox"], "lag": p["lag"]} for peer, p in st["peers"].items()}
+            out.status.append({"t": now - t0, "load": now < stop_at, "links": links})
+            if now - last_row < ROW_EVERY - 0.5:
+                continue
+            total = sum(progress[0::2])
+            row = {"t": now - t0, "phase": "load" if now < stop_at else "after",
+                   "decisions_per_s": (total - last_total) / (now - last_row), "errors": sum(progress[1::2]),
+                   "rss_mib": {a.region: rss_mib(a.proc.pid) for a in agents},
+                   "outbox_max": max((v["outbox"] for v in links.values()), default=0),
+                   "lag_max": max((v["lag"] for v in links.values()), default=0.0),
+                   "keys": int(await clients[REGIONS[0]].dbsize())}
+            last_row, last_total = now, total
+            out.rows.append(row)
+            rss = " ".join(f"{'-' if v is None else f'{v:.0f} MiB':>13}" for v in row["rss_mib"].values())
+            print(f"{row['t']:5.0f} {row['phase']:5} {row['decisions_per_s']:7.0f} {row['errors']:4} {rss} "
+                  f"{row['outbox_max']:10} {row['lag_max']:6.2f}s {row['keys']:11}", flush=True)
+
+
+async def probe(limiters: dict[str, AsyncLimiter], rule: Rule, stop_at: float, out: Samples) -> None:
+    """Every second a hit in one region (rotating); the time until both others count it."""
+    async def one(i: int, region: str) -> None:
+        name, others = b"probe:%d" % i, [r for r in limiters if r != region]
+        try:
+            await limiters[region].hit(rule.name, name)
+            sent = time.monotonic()
+            while time.monotonic() - sent < CONVERGE_WAIT:
+                if all(u.total == 1 for u in [await limiters[r].usage(rule.name, name) for r in others]):
+                    out.probes.append(time.monotonic() - sent)
+                    return
+                await asyncio.sleep(0.01)
+        except GeolimitError:
+            pass
+        out.probes_lost += 1
+
+    tasks = []
+    try:
+        for i, region in zip(itertools.count(), itertools.cycle(limiters)):
+            if time.monotonic() >= stop_at:
+                break
+            tasks.append(asyncio.ensure_future(one(i, region)))
+            await asyncio.sleep(PROBE_EVERY)
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# -- convergence after the stop ------------------------------------------------------------
+
+
+async def converge(clients: dict[str, redis.asyncio.Redis], rule: Rule, results: list[LoadResult],
+                   n: int, t_stop: float) -> dict[str, Any]:
+    """Sweep the sample in chunks of 1000 (every region's cell totals, read concurrently)
+    until each subject is exact; then check it all once more through the limiter's usage
+    reading, by region. A region's view of a slot never exceeds the truth, so an exact
+    total means every slot is exact."""
+    counts = {r.region: array("I", r.counts) for r in results}
+    chosen = set(random.Random(7).sample(range(n), min(SAMPLE, n)))
+    tail = set().union(*(r.tail for r in results)) - chosen
+    ids = sorted(chosen | tail)
+    want = {i: sum(int(c[i]) for c in counts.values()) for i in ids}
+    last_inexact, first_exact = 0.0, 0.0
+    pending, sweeps = ids, []
+    while pending and time.monotonic() - t_stop < CONVERGE_WAIT:
+        left = []
+        for lo in range(0, len(pending), 1000):
+            part = pending[lo:lo + 1000]
+            keys = [LAYOUT.data_key(rule.name, soak_subject(i)) for i in part]
+            views = await asyncio.gather(*(cell_totals(clients[r], keys) for r in REGIONS))
+            at = time.monotonic() - t_stop
+            for j, i in enumerate(part):
+                if all(v[j] == want[i] for v in views):
+                    first_exact = max(first_exact, at)
+                else:
+                    last_inexact = at
+                    left.append(i)
+        pending = left
+        sweeps.append({"at": time.monotonic() - t_stop, "inexact": len(pending)})
+    usages = await asyncio.gather(*(read_usages(clients[r], LAYOUT, rule, [soak_subject(i) for i in ids]) for r in REGIONS))
+    wrong = []
+    for j, i in enumerate(ids):
+        expected = {r: int(c[i]) for r, c in counts.items() if c[i]}
+        if not all({k: v for k, v in u[j].by_region.items() if v} == expected for u in usages):
+            wrong.append({"subject": soak_subject(i).decode(), "expected": expected,
+                          "seen": {r: u[j].by_region for r, u in zip(REGIONS, usages, strict=True)}})
+    return {"sampled": len(ids), "random": len(chosen), "tail": len(tail), "exact": len(ids) - len(wrong),
+            "checked_at": time.monotonic() - t_stop, "converged_s": None if pending else first_exact,
+            "last_inexact_s": last_inexact, "sweeps": sweeps, "first_inexact": wrong[0] if wrong else None}
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+async def soak(args: argparse.Namespace) -> dict[str, Any]:
+    task, loop = asyncio.current_task(), asyncio.get_running_loop()
+    if task is not None:  # SIGTERM (and SIGINT, unless ignored) unwind the exit stack: every process stops
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                loop.add_signal_handler(sig, task.cancel)
+    rule, n, seconds, half = soak_rule(args.minutes), args.subjects, args.minutes * 60, args.baseline_seconds / 2
+    spec = LoadSpec(rule, n)
+    result: dict[str, Any] = {"minutes": args.minutes, "subjects": n, "rule": rule.describe(),
+                              "source": source_state(), "baseline_seconds": args.baseline_seconds}
+    async with AsyncExitStack() as stack:
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="geolimit-soak-")))
+        servers = {r: stack.enter_context(EmbeddedRedis()) for r in REGIONS}
+        urls = {r: s.url for r, s in servers.items()}
+        clients = {r: redis.asyncio.Redis.from_url(u) for r, u in urls.items()}
+        for c in clients.values():
+            stack.push_async_callback(c.aclose)
+        result["redis"] = f"{servers[REGIONS[0]].version} ({find_redis_server()})"
+        print(f"soak: {len(REGIONS)} regions, {n} subjects, {args.minutes:g} min, rule {rule.describe()}, "
+              f"redis {result['redis']}\nbaseline (no agents): {half:g} s ...", flush=True)
+
+        async def baseline() -> dict[str, Any]:
+            await asyncio.gather(*(c.flushall() for c in clients.values()))
+            before = await cpu_now(clients, [])
+            base = await run_load(urls, spec, half)
+            return {"results": base, "cpu": diff(await cpu_now(clients, []), before)}
+
+        base_before = await baseline()
+        await asyncio.gather(*(c.flushall() for c in clients.values()))
+        agents = start_agent_processes(folder, urls, agent_toml_rule(rule))
+
+        def stop_agents() -> None:
+            for a in agents:
+                stop_process(a.proc)
+
+        stack.callback(stop_agents)
+        await wait_agents_ready(agents)
+        limiters = {r: AsyncLimiter.from_url(u, region=r, rules=[rule]) for r, u in urls.items()}
+        for lim in limiters.values():
+            stack.push_async_callback(lim.aclose)
+        samples = Samples()
+        sampler: list[asyncio.Future[None]] = []
+
+        async def alongside(progress: Progress, start_at: float) -> None:
+            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+            samples.cpu_start = await cpu_now(clients, agents)
+            samples.failures_start = failures(await statuses(agents))
+            sampler.append(asyncio.ensure_future(sample(agents, clients, progress, start_at, start_at + seconds, samples)))
+            await probe(limiters, rule, start_at + seconds, samples)
+
+        print(f"soak: {seconds:g} s of load ...", flush=True)
+        results = await run_load(urls, spec, seconds, alongside)
+        cpu = diff(await cpu_now(clients, agents), samples.cpu_start)
+        t_stop, t_start = max(r.last for r in results), min(r.first for r in results)
+        conv = await converge(clients, rule, results, n, t_stop)
+        await asyncio.sleep(2 * STATUS_EVERY)  # a status sample or two after convergence
+        for watcher in sampler:
+            watcher.cancel()
+        await asyncio.gather(*sampler, return_exceptions=True)
+        final = await statuses(agents)
+        exits = {a.region: stop_process(a.proc) for a in agents}
+        logs = {a.region: log_problems(a.log) for a in agents}
+        for a in agents if args.json else []:  # keep the agents' logs next to the figures
+            shutil.copy(a.log, f"{args.json}.{a.region}.log")
+        print(f"baseline (no agents): {half:g} s ...", flush=True)
+        base_after = await baseline()
+    result.update(summarize_run(results, [base_before, base_after], samples, conv, final, exits, logs,
+                                cpu, t_stop - t_start, seconds))
+    return result
+
+
+def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, math.nan) for k, v in after.items()}
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+
+def summarize_run(results: list[LoadResult], bases: list[dict[str, Any]], samples: Samples, conv: dict[str, Any],
+                  final: dict[str, Any], exits: dict[str, int | None], logs: dict[str, tuple[int, list[str]]],
+                  cpu: dict[str, float], load_seconds: float, seconds: float) -> dict[str, Any]:
+    total, per = rate(results)
+    base = [rate(b["results"]) for b in bases]
+    # Warm-up: the first quarter of the load, or until the live keys reach 90% of their
+    # count at the end of the load (the working set has stopped growing), whichever is later.
+    loaded = [r for r in samples.rows if r["phase"] == "load"]
+    keys_end = loaded[-1]["keys"] if loaded else 0
+    warmup = max(seconds / 4, next((r["t"] for r in loaded if r["keys"] >= 0.9 * keys_end), 0.0))
+    rss: dict[str, dict[str, Any]] = {}
+    for region in REGIONS:
+        xs = [r["rss_mib"][region] for r in samples.rows
+              if r["phase"] == "load" and r["t"] >= warmup and r["rss_mib"][region] is not None]
+        lo, hi = (min(xs), max(xs)) if xs else (math.nan, math.nan)
+        rss[region] = {"min": lo, "max": hi, "spread": hi / lo - 1, "flat": bool(xs) and hi <= (1 + RSS_BAND) * lo}
+    during = [s for s in samples.status if s["load"]]
+    lags = [v["lag"] for s in during for v in s["links"].values()]
+    mid = (warmup + seconds) / 2
+    outbox: dict[str, dict[str, Any]] = {}
+    for link in sorted({k for s in samples.status for k in s["links"]}):
+        def series(lo: float, hi: float, link: str = link) -> list[int]:
+            return [s["links"][link]["outbox"] for s in during if link in s["links"] and lo <= s["t"] < hi]
+        first, second = quantile(series(warmup, mid), 0.5), quantile(series(mid, math.inf), 0.5)
+        peak = max((s["links"][link]["outbox"] for s in samples.status if link in s["links"]), default=0)
+        region, _, peer = link.partition(">")
+        left = final.get(region, {}).get("peers", {}).get(peer, {}).get("outbox")
+        outbox[link] = {"max": peak, "median_first_half": first, "median_second_half": second, "after": left,
+                        "bounded": second <= 1.5 * first + 1000 and left == 0}
+    peers = {f"{reg}>{p}": v for reg, st in final.items() for p, v in st.get("peers", {}).items()}
+    ae = {link: {k: v.get("anti_entropy", {}).get(k) for k in ("running", "ok", "failures", "seconds", "keys_scanned")}
+          for link, v in peers.items()}
+    errors = {
+        "load": sum(r.errors for r in results), "load_examples": sorted({e for r in results for e in r.error_samples}),
+        **{k: v - samples.failures_start.get(k, 0) for k, v in failures(final).items()},
+        "before_load": samples.failures_start,
+        "agent_log": sum(k for k, _ in logs.values()),
+        "agent_log_examples": {reg: ex for reg, (_, ex) in logs.items() if ex},
+        "agent_bad_exits": sum(c != 0 for c in exits.values()) + sum("error" in st for st in final.values()),
+        "status_unreachable": samples.status_errors, "probes_lost": samples.probes_lost,
+    }
+    count = sum(v for v in errors.values() if isinstance(v, int))
+    conv_s = conv["converged_s"]
+    return {
+        "load_seconds": load_seconds, "decisions": sum(r.decisions for r in results),
+        "decisions_per_s": total, "decisions_per_s_by_region": per,
+        "baseline_per_s": {"before": base[0][0], "after": base[1][0], "mean": (base[0][0] + base[1][0]) / 2,
+                           "by_region": [b[1] for b in base]},
+        "cpu_us_per_decision": cpu_per_decision(cpu, results), "cpu": cpu, "baseline_cpu": [b["cpu"] for b in bases],
+        "latency": call_latency(results), "baseline_latency": [call_latency(b["results"]) for b in bases],
+        "busy": cpus_busy(cpu, results), "baseline_busy": [cpus_busy(b["cpu"], b["results"]) for b in bases],
+        "baseline_cpu_us_per_decision": [cpu_per_decision(b["cpu"], b["results"]) for b in bases],
+        "cells_sent_per_decision": sum(v.get("cells_sent", 0) for v in peers.values()) / max(1, sum(r.decisions for r in results)),
+        "warmup_s": warmup, "rss": rss, "rows": samples.rows,
+        "lag": {"samples": len(lags), "p50": quantile(lags, 0.5), "p99": quantile(lags, 0.99), "max": max(lags, default=math.nan)},
+        "probe": {"n": len(samples.probes), "p50": quantile(samples.probes, 0.5), "p99": quantile(samples.probes, 0.99),
+                  "max": max(samples.probes, default=math.nan), "lost": samples.probes_lost},
+        "outbox": outbox, "anti_entropy": ae, "convergence": conv, "errors": errors, "error_count": count, "exit_codes": exits,
+        "verdicts": {
+            "outboxes bounded": bool(outbox) and all(o["bounded"] for o in outbox.values()),
+            f"agent RSS flat within {RSS_BAND:.0%} after warm-up": all(v["flat"] for v in rss.values()),
+            f"every sampled subject exact in every region within {CONVERGE_TARGET:g} s":
+                conv_s is not None and conv_s <= CONVERGE_TARGET and conv["exact"] == conv["sampled"],
+            "0 errors": count == 0,
+        },
+        "final_status": final,
+    }
+
+
+def report(r: dict[str, Any]) -> None:
+    b, src = r["baseline_per_s"], r["source"]
+    dirty = f" + uncommitted changes in {len(src['dirty'])} files under geolimit/" if src["dirty"] else ""
+    dirty += "" if src["head"] else f"(not a git checkout: {Path(__file__).resolve().parent.parent})"
+    print(f"\n== soak: {r['minutes']:g} min, {r['subjects']} subjects, rule {r['rule']}, redis {r['redis']},"
+          f" geolimit {src['head']}{dirty}")
+    print(f"decisions/s   {r['decisions_per_s']:.0f} total (" + ", ".join(f"{k} {v:.0f}" for k, v in r["decisions_per_s_by_region"].items())
+          + f"); {r['decisions']} decisions in {r['load_seconds']:.1f} s")
+    print(f"  baseline    {b['mean']:.0f} total: the same load processes on the same redis-servers, no agents running"
+          f" ({b['before']:.0f} before, {b['after']:.0f} after the soak, {r['baseline_seconds'] / 2:g} s each)"
+          f" -> soak/baseline {r['decisions_per_s'] / b['mean']:.2f}")
+    c, bc = r["cpu_us_per_decision"], r["baseline_cpu_us_per_decision"]
+    print(f"CPU/decision  redis {c['redis']:.1f} us, agents {c['agent']:.1f} us, load {c['load']:.1f} us"
+          f" (baseline: redis {bc[0]['redis']:.1f}/{bc[1]['redis']:.1f} us, load {bc[0]['load']:.1f}/{bc[1]['load']:.1f} us);"
+          f" gossip cells sent per decision {r['cells_sent_per_decision']:.2f}")
+    lat, blat = r["latency"], r["baseline_latency"]
+    print(f"latency       one hit_many call of {LoadSpec.batch} decisions ({LoadSpec.lanes} per load process share one AsyncLimiter): p50 {lat['p50'] * 1e3:.1f} ms,"
+          f" p99 {lat['p99'] * 1e3:.1f} ms, max {lat['max'] * 1e3:.0f} ms (baseline: p99 "
+          + "/".join(f"{b['p99'] * 1e3:.1f}" for b in blat) + " ms, max " + "/".join(f"{b['max'] * 1e3:.0f}" for b in blat) + " ms)")
+    print(f"CPUs busy     during the soak: {r['busy']}; baseline: " + " / ".join(r["baseline_busy"]))
+    print(f"RSS           after warm-up (t >= {r['warmup_s']:.0f} s: a quarter of the load, and live keys at 90% of their final count): "
+          + "; ".join(f"{k} {v['min']:.0f}-{v['max']:.0f} MiB ({v['spread']:+.0%})" for k, v in r["rss"].items()))
+    lag, pr = r["lag"], r["probe"]
+    print(f"gossip lag    outbox age (/v1/status each {STATUS_EVERY:g} s, 6 links, {lag['samples']} samples): p50 {lag['p50']:.2f} s,"
+          f" p99 {lag['p99']:.2f} s, max {lag['max']:.2f} s")
+    print(f"              probe (a hit until both other regions count it): n {pr['n']}, p50 {pr['p50']:.2f} s,"
+          f" p99 {pr['p99']:.2f} s, max {pr['max']:.2f} s, lost {pr['lost']}")
+    print("outbox max    " + "; ".join(f"{k} {v['max']} (median {v['median_first_half']:.0f} -> {v['median_second_half']:.0f},"
+                                        f" after {v['after']})" for k, v in r["outbox"].items()))
+    print("anti-entropy  at the end (per link: runs ok, running, last run's seconds / keys scanned): " + "; ".join(
+        f"{k} {v['ok']}{' +1 running' if v['running'] else ''} ({v['seconds']} s / {v['keys_scanned']})" for k, v in r["anti_entropy"].items()))
+    cv = r["convergence"]
+    when = (f"not within {CONVERGE_WAIT:g} s" if cv["converged_s"] is None else
+            f"within {cv['converged_s']:.2f} s (last seen inexact at {cv['last_inexact_s']:.2f} s)")
+    print(f"convergence   {cv['sampled']} sampled subjects ({cv['random']} random + {cv['tail']} hit in the last {LoadSpec.tail_seconds:g} s)"
+          f" exact in every region {when} after the load stopped; sweeps: "
+          + ", ".join(f"{p['at']:.2f}s {p['inexact']} left" for p in cv["sweeps"][:8]))
+    print(f"              usage by region (the limiter's reading) at {cv['checked_at']:.1f} s: exact {cv['exact']}/{cv['sampled']}"
+          + (f"; e.g. {cv['first_inexact']}" if cv["first_inexact"] else ""))
+    e = r["errors"]
+    print(f"errors        {r['error_count']}: " + ", ".join(f"{k} {v}" for k, v in e.items() if isinstance(v, int)))
+    for region, lines in e["agent_log_examples"].items():
+        print("\n".join(f"              {region}: {line}" for line in lines))
+    print("\n".join(f"              load: {line}" for line in e["load_examples"]))
+    print("\n".join(f"{'PASS' if ok else 'MISS'}  {name}" for name, ok in r["verdicts"].items()))
+    print("      (bounded: per link, the median outbox of the second half of the load <= 1.5x the first half's"
+          " (after warm-up) + 1000 keys, and 0 once converged; errors count from the start of the load)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=10.0, help="load duration (default 10)")
+    parser.add_argument("--subjects", type=int, default=1_000_000, help="distinct subjects (default 1M)")
+    parser.add_argument("--quick", action="store_true", help="1 minute, 100k subjects, 20 s of baseline")
+    parser.add_argument("--baseline-seconds", type=float, help="no-agent baseline, half before and half after (default 60)")
+    parser.add_argument("--json", help="write every figure as JSON here (and the agents' logs as PATH.REGION.log)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.minutes, args.subjects = 1.0, 100_000
+    args.baseline_seconds = args.baseline_seconds or (20.0 if args.quick else 60.0)
+    try:
+        result = asyncio.run(soak(args))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("interrupted: every process was stopped", file=sys.stderr)
+        return 130
+    report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0 if all(result["verdicts"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Anti-entropy: validation of every field a peer sends (ProtocolError before any write)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+
+from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout
+from geolimit.core.rule import Rule
+from geolimit.errors import ProtocolError
+from geolimit.replication.antientropy.common import (
+    MAX_BLOB_BYTES,
+    MAX_BLOB_CELLS,
+    MAX_BLOB_SLOTS,
+    MAX_SLOT_ID,
+    MAX_SUFFIX,
+    MAX_VALUE,
+    Blob,
+)
+
+# -- validation ----------------------------------------------------------------
+
+
+def _int(payload: Mapping[str, Any], name: str, lo: int, hi: int) -> int:
+    value = payload.get(name)
+    if type(value) is not int or not lo <= value <= hi:
+        raise ProtocolError(f"anti-entropy: field {name!r} must be an integer in [{lo}, {hi}], got {_show(value)}")
+    return value
+
+
+def _bytes(payload: Mapping[str, Any], name: str, max_len: int, exact: int | None = None) -> bytes:
+    value = payload.get(name)
+    if type(value) is not bytes or len(value) > max_len or (exact is not None and len(value) != exact):
+        size = exact if exact is not None else f"at most {max_len}"
+        raise ProtocolError(f"anti-entropy: field {name!r} must be {size} bytes, got {_show(value)}")
+    return value
+
+
+def _list(payload: Mapping[str, Any], name: str, max_len: int) -> list[Any]:
+    value = payload.get(name)
+    if type(value) is not list or len(value) > max_len:
+        raise ProtocolError(f"anti-entropy: field {name!r} must be a list of at most {max_len} items, got {_show(value)}")
+    return value
+
+
+def _bool(payload: Mapping[str, Any], name: str) -> bool:
+    value = payload.get(name)
+    if type(value) is not bool:
+        raise ProtocolError(f"anti-entropy: field {name!r} must be true or false, got {_show(value)}")
+    return value
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _pair(item: object, what: str) -> tuple[int, bytes]:
+    if type(item) is not list or len(item) != 2 or type(item[0]) is not int or type(item[1]) is not bytes:
+        raise ProtocolError(f"anti-entropy: {what} must be [shard, bytes], got {_show(item)}")
+    return item[0], item[1]
+
+
+def _check_suffix(layout: KeyLayout, rules: Mapping[str, Rule], shard: int, suffix: bytes) -> Rule:
+    """The rule of ``rule:subject`` in ``shard``; ProtocolError unless it is one of ``rules``."""
+    if not 0 <= shard < layout.shards:
+        raise ProtocolError(f"anti-entropy: shard {shard} out of range (this region has {layout.shards})")
+    if len(suffix) > MAX_SUFFIX:
+        raise ProtocolError(f"anti-entropy: key of {len(suffix)} bytes is too long")
+    name, sep, subject = suffix.partition(b":")
+    try:
+        rule = rules.get(name.decode()) if sep else None
+    except UnicodeDecodeError:
+        rule = None
+    if rule is None:
+        raise ProtocolError(f"anti-entropy: key {suffix[:80]!r} is not of a rule of this exchange")
+    if len(subject) > MAX_SUBJECT_BYTES:
+        raise ProtocolError(f"anti-entropy: subject of {len(subject)} bytes is too long")
+    if layout.shard_of(subject) != shard:
+        raise ProtocolError(f"anti-entropy: key {suffix[:80]!r} does not belong to shard {shard}")
+    return rule
+
+
+def check_blob(blob: bytes, shard: int, layout: KeyLayout, rules: Mapping[str, Rule]) -> tuple[int, int]:
+    """Check one repair blob of ``shard`` completely; returns ``(keys, cells)``.
+
+    Format: msgpack (str/raw types only, no bin) ``[slot ids, rule:subject, cells,
+    ...]`` where cells is a flat ``bucket, slot_ref, value, floor, ...`` list.
+    Raises :class:`ProtocolError` naming what is wrong.
+    """
+    if type(blob) is not bytes or len(blob) > MAX_BLOB_BYTES:
+        raise ProtocolError(f"anti-entropy: blob must be at most {MAX_BLOB_BYTES} bytes")
+    try:
+        obj = msgpack.unpackb(
+            blob, raw=True, use_list=True, max_str_len=MAX_BLOB_BYTES, max_bin_len=0,
+            max_array_len=4 * MAX_BLOB_CELLS + 1, max_map_len=0, max_ext_len=0,
+        )
+    except Exception as exc:
+        raise ProtocolError(f"anti-entropy: undecodable blob: {exc}") from exc
+    if type(obj) is not list or len(obj) < 3 or len(obj) % 2 != 1:
+        raise ProtocolError("anti-entropy: a blob must be [slots, key, cells, ...]")
+    slots = obj[0]
+    if type(slots) is not list or not 0 < len(slots) <= MAX_BLOB_SLOTS:
+        raise ProtocolError(f"anti-entropy: a blob needs 1 to {MAX_BLOB_SLOTS} slot ids")
+    for slot in slots:
+        if type(slot) is not bytes or not 3 <= len(slot) <= MAX_SLOT_ID:
+            raise ProtocolError(f"anti-entropy: bad slot id {_show(slot)}")
+        region, sep, incarnation = slot.rpartition(b"/")
+        if not sep or not region or not incarnation:
+            raise ProtocolError(f"anti-entropy: slot id {slot[:80]!r} is not region/incarnation")
+    if len(set(slots)) != len(slots):
+        raise ProtocolError("anti-entropy: a blob names a slot twice")
+    nslots, total = len(slots), 0
+    for i in range(1, len(obj), 2):
+        suffix, cells = obj[i], obj[i + 1]
+        if type(suffix) is not bytes:
+            raise ProtocolError(f"anti-entropy: bad key in blob: {_show(suffix)}")
+        _check_suffix(layout, rules, shard, suffix)
+        if type(cells) is not list or not cells or len(cells) % 4:
+            raise ProtocolError("anti-entropy: cells must be a non-empty flat list of 4-tuples")
+        total += len(cells) // 4
+        if total > MAX_BLOB_CELLS:
+            raise ProtocolError(f"anti-entropy: a blob holds more than {MAX_BLOB_CELLS} cells")
+        if not all(type(x) is int for x in cells):
+            raise ProtocolError("anti-entropy: cells must be integers")
+        if min(cells) < 0 or max(cells) >= MAX_VALUE:
+            raise ProtocolError("anti-entropy: cell number out of range [0, 2**53)")
+        if max(cells[1::4]) >= nslots:
+            raise ProtocolError("anti-entropy: cell names a slot the blob does not list")
+    return len(obj) // 2, total
+
+
+def _check_blobs(items: list[Any], layout: KeyLayout, rules: Mapping[str, Rule], max_bytes: int) -> tuple[list[Blob], int]:
+    blobs: list[Blob] = []
+    cells = size = 0
+    for item in items:
+        shard, blob = _pair(item, "a blob entry")
+        size += len(blob)
+        if size > max_bytes:
+            raise ProtocolError(f"anti-entropy: blobs exceed {max_bytes} bytes")
+        cells += check_blob(blob, shard, layout, rules)[1]
+        blobs.append((shard, blob))
+    return blobs, cells

@@ -1,0 +1,123 @@
+"""The gossip engine's side of anti-entropy: when to run an exchange, and its I/O.
+
+:class:`~geolimit.replication.antientropy.AntiEntropy` does the exchange itself
+(bounded digest passes in Redis, a Merkle descent, paged repair). This driver
+starts one per peer when the peer asks for it (a wipe, a link that was down, a
+run that had more differences than it could repair) or every
+``anti_entropy_interval``, carries its steps in ``ae`` gossip messages, merges
+what it brings in repair mode, and keeps its outcome for ``/v1/status``.
+
+A failed or slow exchange is not a dead peer: deltas keep flowing, and the run
+is retried with its own backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from geolimit.errors import ProtocolError, StorageError
+from geolimit.replication.antientropy import AntiEntropy, AntiEntropyResult
+from geolimit.replication.peers import PeerState
+from geolimit.replication.transport import TransportError
+from geolimit.replication.wire import Blob
+
+if TYPE_CHECKING:
+    from geolimit.replication.gossip import GossipEngine
+
+__all__ = ["AntiEntropyDriver"]
+
+log = logging.getLogger("geolimit.gossip")
+
+#: Longest wait before a failed exchange is tried again (seconds).
+MAX_RETRY = 60.0
+
+
+class AntiEntropyDriver:
+    """Runs anti-entropy exchanges for a :class:`GossipEngine` and serves its peers'."""
+
+    def __init__(self, engine: GossipEngine) -> None:
+        self.engine = engine
+        store, settings = engine.store, engine.settings
+        self.ae = AntiEntropy(
+            engine.region, store.store, store.layout, store.rules, self._send, self._merge, engine.clock,
+            max_keys=settings.ae_max_keys, duty=settings.ae_duty,
+        )
+        self.last: dict[str, AntiEntropyResult] = {}
+
+    def start_due(self, now: float) -> None:
+        """Start an exchange with every reachable peer that needs or is due one."""
+        if not self.engine.settings.anti_entropy:
+            return
+        for peer in self.engine.peers.values():
+            ready = now >= peer.next_attempt and now >= peer.ae_retry_at and not peer.failures
+            if not peer.ae_running and ready and (peer.ae_needed or now >= peer.ae_due):
+                peer.ae_running = True
+                self.engine.spawn(self._run(peer))
+
+    async def _send(self, peer: str, payload: dict[str, Any]) -> dict[str, Any]:
+        engine = self.engine
+        msg = engine.message("ae", peer)
+        msg.ae = payload
+        reply = await engine.transport.send(peer, msg)
+        state = engine.peers[peer]
+        state.last_heard = engine.clock()
+        engine.note_reach(state, reply, state.last_heard)
+        return reply.ae
+
+    async def _merge(self, peer: str, blobs: list[Blob]) -> None:
+        # Repair mode: cells claiming more in our own slot than we hold (a failover
+        # or a restore lost our latest writes) are skipped and counted, so the rest
+        # of the repair goes through.
+        engine = self.engine
+        state = engine.peers[peer]
+        merged = await engine.store.merge_blobs(blobs, peer, engine.relays(state), repair=True)
+        engine.count(state, merged)
+
+    async def _run(self, peer: PeerState) -> None:
+        engine, stats = self.engine, self.engine.stats
+        # Clear the request when the run *starts*: a wipe detected while this run is
+        # in flight asks again, and this run (which read the data before the wipe)
+        # must not swallow that request when it ends.
+        peer.ae_needed = False
+        result: AntiEntropyResult | None = None
+        stats["ae_runs"] += 1
+        try:
+            result = await self.ae.run(peer.name)
+        except (TransportError, ProtocolError, StorageError) as exc:
+            stats["ae_failed"] += 1
+            peer.ae_failures += 1
+            peer.ae_last_error = f"{type(exc).__name__}: {exc}"[:300]
+            delay = min(MAX_RETRY, engine.settings.interval * 2 ** min(peer.ae_failures, 16))
+            peer.ae_retry_at = engine.clock() + delay * engine.rng.uniform(0.5, 1.0)
+            log.warning("region %s: anti-entropy with %s failed (%d in a row; retried in %.1f s): %s",
+                        engine.region, peer.name, peer.ae_failures, delay, exc)
+        finally:
+            peer.ae_running = False
+            peer.ae_concluded = True
+            if result is None:
+                peer.ae_needed = True
+        if result is None:
+            return
+        self.last[peer.name] = result
+        stats["ae_cells"] += result.cells_received + result.cells_sent
+        stats["ae_keys_repaired"] += result.keys_differing
+        peer.ae_ok += 1
+        peer.ae_failures = 0
+        peer.ae_last_error = None
+        if result.truncated:  # more differences than one run repairs: go on at once
+            peer.ae_needed = True
+        interval = engine.settings.anti_entropy_interval
+        peer.ae_due = engine.clock() + interval * engine.rng.uniform(0.8, 1.2)
+
+    def status(self, name: str) -> dict[str, Any]:
+        """The last exchange with peer ``name``, for ``/v1/status``."""
+        peer = self.engine.peers[name]
+        last = self.last.get(name)
+        out: dict[str, Any] = {"running": peer.ae_running, "ok": peer.ae_ok, "failures": peer.ae_failures,
+                               "last_error": peer.ae_last_error}
+        if last is not None:
+            out.update(seconds=round(last.seconds, 3), keys_scanned=last.keys_scanned,
+                       keys_differing=last.keys_differing, cells_received=last.cells_received,
+                       cells_sent=last.cells_sent, truncated=last.truncated)
+        return out
