@@ -1,6 +1,6 @@
 """Replication benchmarks: P5 convergence, P6 bytes on the wire, P8 round cost.
 
-    python bench/gossip.py [--quick] [--json PATH]
+    python bench/gossip.py [--quick] [--p8] [--json PATH]
 
 Starts its own redis-servers (embedded) and real aiohttp agents on loopback.
 Every figure is printed with a same-run baseline:
@@ -11,8 +11,9 @@ Every figure is printed with a same-run baseline:
 * P6: bytes per changed (bucket, slot, value) cell, beyond the key's own bytes;
   the baseline is the same cells as JSON.
 * P8: one full round with 100k changed keys (drain, read, encode, send, merge at
-  the peer, acknowledgement), the peer being its own `geolimit agent` process; the baseline is bare redis-py writing the same
-  100k cells with a pipelined HSET, and the budget is 50% of a 1 s interval. Also
+  the peer, acknowledgement), the peer being its own `geolimit agent` process;
+  the baseline is bare redis-py writing the same 100k cells with a pipelined
+  HSET, and the budget is 50% of a 1 s interval (``--p8``: only this one). Also
   printed, as medians over the rounds: where the round's time goes (the sender's
   drain, pack and settle calls as wall time during which one was running, the
   receiver's merge scripts as its Redis reports them) and the CPU each process used.

@@ -265,7 +265,8 @@ class GossipEngine:
                 # A failing peer gets small messages until one succeeds, then the rest;
                 # a slow one gets smaller messages (see _sized).
                 limit = self.settings.probe_cells if peer.failures else self._message_cells(peer)
-                packed = await self._collect(peer, slot, limit)
+                async with peer.packing:
+                    packed = await self._collect(peer, slot, limit)
                 peer.flight_keys[slot] = packed.keys
                 peer.last_attempt = sent_at = self.clock()
                 try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 __all__ = ["EngineSettings", "PeerState"]
@@ -13,7 +14,7 @@ class EngineSettings:
     anti_entropy_interval: float = 30.0
     max_backoff: float = 0.2  # retries keep probing a failed peer this often, so a heal is noticed fast
     probe_cells: int = 200  # cells per attempt while a peer is failing
-    max_cells_per_message: int = 20_000  # bounds how long a peer spends merging one request
+    max_cells_per_message: int = 10_000  # bounds how long a peer spends merging one request
     send_timeout: float = 5.0  # the transport's timeout: messages that take half of it get smaller
     heartbeat: float = 1.0  # send (possibly empty) deltas at least this often
     lease_ttl: float = 15.0
@@ -57,6 +58,8 @@ class PeerState:
     unsettled: set[int] = field(default_factory=set)  # slots whose outcome could not be recorded
     cursor: int = 0  # shard the next message starts packing from (fairness)
     message_cells: int = 0  # cells per message for this peer while it is slow (0: the maximum)
+    # One message packs at a time: the first is sent (and merged by the peer) while the next packs.
+    packing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def queued(self) -> int:

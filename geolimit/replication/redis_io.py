@@ -46,7 +46,7 @@ class Limits:
     """Bounds on script work and on what a peer may send."""
 
     drain_keys: int = 1000  # changed keys one drain call fans out
-    pack_keys: int = 500  # outbox keys one pack call takes
+    pack_keys: int = 2048  # outbox keys one pack call takes (pack_cells bounds the work too)
     pack_cells: int = 2048  # cells one pack call puts in a blob
     blob_cells: int = 4096  # cells a peer's blob may hold
     new_slots: int = 16  # slot ids a blob may add to a shard's registry

@@ -112,7 +112,7 @@ class Agent:
             interval=cfg.interval, anti_entropy_interval=cfg.anti_entropy_interval,
             max_backoff=cfg.max_backoff or 2 * cfg.interval,
             heartbeat=max(1.0, cfg.interval), lease_ttl=max(15.0, 20 * cfg.interval),
-            max_cells_per_message=max(1000, min(20_000, cfg.max_message_bytes // 40)), send_timeout=cfg.timeout,
+            max_cells_per_message=max(1000, min(10_000, cfg.max_message_bytes // 40)), send_timeout=cfg.timeout,
             anti_entropy=self.worker_index == 0,  # one initiator per region; every worker serves exchanges
         )
         self.engine = GossipEngine(cfg.region, [p.name for p in cfg.peers], store, self._transport, settings, self._clock)

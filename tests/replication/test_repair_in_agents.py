@@ -7,12 +7,13 @@ under a manual clock, so every round is deterministic.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
 
-from geolimit import Rule
+from geolimit import ManualClock, Rule
 from geolimit.core.keys import KeyLayout
 from geolimit.replication import wire
 from geolimit.replication.auth import Signer
@@ -21,7 +22,7 @@ from geolimit.store.embedded import EmbeddedRedis
 from tests.support.regions import Regions, dump_all
 
 Factory = Callable[..., EmbeddedRedis]
-API = Rule("api", 1000, 60, 1)
+API = Rule("api", 1000, 60, 10)  # 10 s buckets: the whole test stays in one
 KEY = KeyLayout().data_key("api", b"victim")
 
 
@@ -36,7 +37,8 @@ def ae_ok(agent: Agent, peer: str) -> int:
 
 @pytest.fixture
 async def three(redis_server_factory: Factory) -> AsyncIterator[Regions]:
-    async with Regions(redis_server_factory, ["a", "b", "c"], [API], run_loops=False) as rs:
+    start = float(int(time.time()) // 10 * 10)  # the start of a bucket
+    async with Regions(redis_server_factory, ["a", "b", "c"], [API], run_loops=False, clock=ManualClock(start)) as rs:
         await rs.step(2)  # leases, and the first anti-entropy with every peer
         yield rs
 

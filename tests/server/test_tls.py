@@ -24,7 +24,7 @@ def tls_config(folder: Path, redis_url: str, name: str, other: str, cert: Cert, 
     write_secret(folder / "gossip.key", secret)
     # The peer's port is known only once it listens: set_peer_url() fills it in below.
     data = region_config(redis_url, name=name, peers=[{"name": other, "url": "https://127.0.0.1:1"}],
-                         rules=[{"name": "api", "limit": "5/10s", "resolution": 1}])
+                         rules=[{"name": "api", "limit": "5/10s", "resolution": 1, "predict": False}])  # exact counts
     data["gossip"]["tls"] = {"cert_file": str(cert.cert), "key_file": str(cert.key), "ca_file": str(cert.cert)}
     path = folder / "region.toml"
     path.write_text(dump_toml(data))

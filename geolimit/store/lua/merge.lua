@@ -192,13 +192,17 @@ end
 
 -- The set of field names at the ring positions of buckets h+1..h+span (passed
 -- over when a key's head moves from h to h+span), cached per rule: the keys of
--- a blob share a few heads. nil for a long span: test each field then.
+-- a blob share a few heads. nil (test each field then) for a long span, or
+-- once 32 sets are cached.
+local sets = 0
 local function passed(spec, h, span)
   if span * used * 2 > 64 then return nil end
   local M = spec[3]
   local id = h * M + span
   local set = spec[7][id]
   if not set then
+    if sets >= 32 then return nil end
+    sets = sets + 1
     set = {}
     for b = h + 1, h + span do
       local p = b % M
