@@ -263,8 +263,8 @@ class GossipEngine:
         try:
             while True:
                 # A failing peer gets small messages until one succeeds, then the rest;
-                # a slow one gets smaller messages (see _sized).
-                limit = self.settings.probe_cells if peer.failures else self._message_cells(peer)
+                # a slow one gets smaller messages (see PeerState.resize).
+                limit = self.settings.probe_cells if peer.failures else peer.message_limit(self.settings)
                 async with peer.packing:
                     packed = await self._collect(peer, slot, limit)
                 peer.flight_keys[slot] = packed.keys
@@ -279,12 +279,12 @@ class GossipEngine:
                     return
                 except (TransportError, ProtocolError) as exc:
                     await self._conclude(peer, slot, packed, delivered=False)
-                    self._sized(peer, packed.cells, None)
+                    peer.resize(self.settings, packed.cells, None)
                     self._failed(peer, exc)
                     return
                 await self._conclude(peer, slot, packed, delivered=True)
                 took = self.clock() - sent_at
-                self._sized(peer, packed.cells, took)
+                peer.resize(self.settings, packed.cells, took)
                 peer.rtt = took if peer.rtt == 0.0 else 0.8 * peer.rtt + 0.2 * took
                 peer.cells_sent += packed.cells
                 self._succeeded(peer, reply)
@@ -293,23 +293,6 @@ class GossipEngine:
         finally:
             peer.flying.discard(slot)
             peer.flight_keys.pop(slot, None)
-
-    def _message_cells(self, peer: PeerState) -> int:
-        return peer.message_cells or self.settings.max_cells_per_message
-
-    def _sized(self, peer: PeerState, cells: int, took: float | None) -> None:
-        """Adapt the message size to the peer: halve it when a message of ``cells`` failed
-        (``took`` None) or took over half the send timeout, double it back when a
-        full one took under an eighth. A peer that merges slowly then never sees a message
-        it cannot merge within the timeout: a timed-out message was often merged
-        all the same, and sending it again is the work the peer had no time for."""
-        settings, current = self.settings, self._message_cells(peer)
-        if took is None or took > settings.send_timeout / 2:
-            if cells > settings.probe_cells and cells * 2 > current:
-                peer.message_cells = max(settings.probe_cells, current // 2)
-        elif took < settings.send_timeout / 8 and cells * 2 >= current and current < settings.max_cells_per_message:
-            grown = 2 * current
-            peer.message_cells = 0 if grown >= settings.max_cells_per_message else grown
 
     async def _conclude(self, peer: PeerState, slot: int, packed: Packed, delivered: bool) -> None:
         if not packed.shards:

@@ -61,6 +61,24 @@ class PeerState:
     # One message packs at a time: the first is sent (and merged by the peer) while the next packs.
     packing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
+    def message_limit(self, settings: EngineSettings) -> int:
+        """Cells per message to this peer now."""
+        return self.message_cells or settings.max_cells_per_message
+
+    def resize(self, settings: EngineSettings, cells: int, took: float | None) -> None:
+        """Adapt the message size to this peer: halve it when a message of ``cells`` failed
+        (``took`` None) or took over half the send timeout, double it back when a
+        full one took under an eighth. A peer that merges slowly then never sees a message
+        it cannot merge within the timeout: a timed-out message was often merged
+        all the same, and sending it again is the work the peer had no time for."""
+        current = self.message_limit(settings)
+        if took is None or took > settings.send_timeout / 2:
+            if cells > settings.probe_cells and cells * 2 > current:
+                self.message_cells = max(settings.probe_cells, current // 2)
+        elif took < settings.send_timeout / 8 and cells * 2 >= current and current < settings.max_cells_per_message:
+            grown = 2 * current
+            self.message_cells = 0 if grown >= settings.max_cells_per_message else grown
+
     @property
     def queued(self) -> int:
         """Keys not yet acknowledged by this peer: queued (as of the last drain or pack) or in flight."""

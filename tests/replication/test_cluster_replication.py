@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -252,17 +252,21 @@ async def test_a_large_key_replicates_and_a_wiped_master_is_repaired(
                 assert (await member.app.hit("api", subject, 2)).allowed
                 expected[subject][name] = 2
 
-        async def same_everywhere() -> bool:
-            views_ = [(await m.usage("hourly", "big")).by_slot for m in mesh.members.values()]
-            if not views_[0] == views_[1] == views_[2] or len(views_[0]) != 6:
-                return False
-            for member in mesh.members.values():
-                for subject in SUBJECTS:
-                    if (await member.usage("api", subject)).by_region != expected[subject]:
-                        return False
-            return True
+        def same_everywhere(slots: int) -> Callable[[], Awaitable[bool]]:
+            """Every region holds ``slots`` slots of the large key, the same, and the small keys exactly."""
+            async def check() -> bool:
+                views_ = [(await m.usage("hourly", "big")).by_slot for m in mesh.members.values()]
+                if not views_[0] == views_[1] == views_[2] or len(views_[0]) != slots:
+                    return False
+                for member in mesh.members.values():
+                    for subject in SUBJECTS:
+                        if (await member.usage("api", subject)).by_region != expected[subject]:
+                            return False
+                return True
 
-        await until(same_everywhere, 60.0, "the large key and the small ones everywhere")
+            return check
+
+        await until(same_everywhere(6), 60.0, "the large key and the small ones everywhere")
         key = a.layout.data_key("hourly", b"big")
         assert cluster_client.hlen(key) > 9000
         before = dict(a.agent.engine.own_slots)  # type: ignore[union-attr]
@@ -277,22 +281,12 @@ async def test_a_large_key_replicates_and_a_wiped_master_is_repaired(
         assert cluster_client.hlen(key) == 0
         assert (await a.app.hit("hourly", "big", 1)).allowed  # a new incarnation of that shard
 
-        async def repaired() -> bool:
-            views_ = [(await m.usage("hourly", "big")).by_slot for m in mesh.members.values()]
-            if not views_[0] == views_[1] == views_[2] or len(views_[0]) != 7:
-                return False
-            for member in mesh.members.values():
-                for subject in SUBJECTS:
-                    if (await member.usage("api", subject)).by_region != expected[subject]:
-                        return False
-            return True
-
         async def difference() -> str:
             mine = (await a.usage("hourly", "big")).by_slot
             theirs = (await b.usage("hourly", "big")).by_slot
             return f"a sees {mine}, b sees {theirs}; a's status: {a.agent.status()['peers']}"
 
-        await until(repaired, 60.0, "a repaired from b and c", explain=difference)
+        await until(same_everywhere(7), 60.0, "a repaired from b and c", explain=difference)
         after = dict(a.agent.engine.own_slots)  # type: ignore[union-attr]
         assert {s for s in range(SHARDS) if after[s] != before[s]} == wiped, "only the wiped master's shards renew"
         assert a.agent.engine.stats["wipes"] >= 1  # type: ignore[union-attr]
@@ -306,17 +300,7 @@ async def test_a_large_key_replicates_and_a_wiped_master_is_repaired(
         cluster_client.flushall(target_nodes=redis.cluster.RedisCluster.PRIMARIES)
         assert (await a.app.hit("hourly", "big", 1)).allowed
 
-        async def repaired_again() -> bool:
-            views_ = [(await m.usage("hourly", "big")).by_slot for m in mesh.members.values()]
-            if not views_[0] == views_[1] == views_[2] or len(views_[0]) != 8:
-                return False
-            for member in mesh.members.values():
-                for subject in SUBJECTS:
-                    if (await member.usage("api", subject)).by_region != expected[subject]:
-                        return False
-            return True
-
-        await until(repaired_again, 60.0, "a repaired after losing every master", explain=difference)
+        await until(same_everywhere(8), 60.0, "a repaired after losing every master", explain=difference)
         final = a.agent.engine.own_slots  # type: ignore[union-attr]
         assert all(final[s] != after[s] for s in range(SHARDS)), "every shard starts a new incarnation"
         big_view = (await a.usage("hourly", "big")).by_slot

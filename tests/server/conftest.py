@@ -13,6 +13,7 @@ from geolimit import Rule
 from geolimit.server.agent import Agent
 from geolimit.server.config import AgentConfig, PeerConfig
 from geolimit.store.embedded import EmbeddedRedis
+from tests.server.helpers import AgentProcess
 from tests.support.regions import dead_url, eventually
 
 RULES = (Rule("api", 5, 10, 1), Rule("tiny", 2, 10, 1), Rule("hourly", 100, 3600, 360))
@@ -53,6 +54,17 @@ async def start_agent(region_redis: EmbeddedRedis) -> AsyncIterator[StartAgent]:
     finally:
         for agent in agents:
             await agent.abort()
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[list[AgentProcess]]:
+    """Agents started by the test; killed at teardown if still running."""
+    procs: list[AgentProcess] = []
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            await proc.kill()
 
 
 @pytest.fixture

@@ -5,27 +5,15 @@ from __future__ import annotations
 import json
 import secrets
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 
 from geolimit.store.embedded import EmbeddedRedis
 from tests.server.helpers import AgentProcess, cli, dump_toml, region_config, write_secret
 from tests.support.regions import dead_url, eventually
-
-
-@pytest.fixture
-async def running() -> AsyncIterator[list[AgentProcess]]:
-    """Agents started by the test; killed at teardown if still running."""
-    procs: list[AgentProcess] = []
-    try:
-        yield procs
-    finally:
-        for proc in procs:
-            await proc.kill()
 
 
 def write_config(tmp_path: Path, redis_url: str, **changes: Any) -> Path:

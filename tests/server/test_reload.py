@@ -4,25 +4,13 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
-import pytest
 
 from geolimit.store.embedded import EmbeddedRedis
 from tests.server.helpers import AgentProcess, dump_toml, region_config, write_secret
 from tests.support.regions import dead_url, eventually
-
-
-@pytest.fixture
-async def running() -> AsyncIterator[list[AgentProcess]]:
-    procs: list[AgentProcess] = []
-    try:
-        yield procs
-    finally:
-        for proc in procs:
-            await proc.kill()
 
 
 async def _limit(url: str, rule: str) -> tuple[int, object]:

@@ -14,9 +14,7 @@ the others use plain servers::
 
 from __future__ import annotations
 
-import asyncio
 import secrets
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,6 +28,7 @@ from geolimit.core.usage import Usage
 from geolimit.server.agent import Agent
 from geolimit.server.config import AgentConfig, PeerConfig
 from tests.support.redis_provider import plain_url
+from tests.support.regions import eventually
 
 __all__ = ["Member", "Mesh", "Site", "until"]
 
@@ -167,19 +166,5 @@ async def until(
     check: Callable[[], Awaitable[bool] | bool], timeout: float, what: str, pause: float = 0.05,
     explain: Callable[[], Awaitable[str] | str] | None = None,
 ) -> float:
-    """Poll ``check`` until it holds; the seconds it took. After ``timeout`` the test fails,
-    saying ``what`` was not reached (and ``explain()``, the state it was stuck in)."""
-    started = time.monotonic()
-    while True:
-        result = check()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return time.monotonic() - started
-        if time.monotonic() - started > timeout:
-            detail = ""
-            if explain is not None:
-                told = explain()
-                detail = f": {told if isinstance(told, str) else await told}"
-            raise AssertionError(f"{what} not reached within {timeout}s{detail}")
-        await asyncio.sleep(pause)
+    """:func:`tests.support.regions.eventually`, polling every 50 ms by default."""
+    return await eventually(check, timeout, what, pause, explain)

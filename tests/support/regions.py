@@ -140,8 +140,12 @@ class Regions:
                 self.clock.advance(self.interval)
 
 
-async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float = 10.0, what: str = "condition") -> float:
-    """Poll ``check`` until it is true; returns the seconds it took. Fails after ``timeout``."""
+async def eventually(
+    check: Callable[[], Awaitable[bool] | bool], timeout: float = 10.0, what: str = "condition",
+    pause: float = 0.01, explain: Callable[[], Awaitable[str] | str] | None = None,
+) -> float:
+    """Poll ``check`` until it is true; returns the seconds it took. After ``timeout`` the
+    test fails, saying ``what`` was not reached (and ``explain()``, the state it was stuck in)."""
     started = time.monotonic()
     while True:
         result = check()
@@ -150,8 +154,12 @@ async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout: float
         if result:
             return time.monotonic() - started
         if time.monotonic() - started > timeout:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        await asyncio.sleep(0.01)
+            detail = ""
+            if explain is not None:
+                told = explain()
+                detail = f": {told if isinstance(told, str) else await told}"
+            raise AssertionError(f"{what} not reached within {timeout}s{detail}")
+        await asyncio.sleep(pause)
 
 
 def dump_all(client: redis.Redis) -> dict[bytes, bytes]:
