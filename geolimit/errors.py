@@ -2,18 +2,47 @@
 
 redis-py and aiohttp errors are translated at the I/O boundary, so callers only
 ever need to catch the classes defined here. The original exception is kept as
-``__cause__``.
+``__cause__``::
+
+    GeolimitError
+    ├── ConfigError (ValueError)
+    │   └── UnknownRuleError (LookupError)
+    ├── RequestError (ValueError)
+    │   └── BadRequest              the agent's HTTP API refuses a request
+    ├── StorageError
+    ├── ProtocolError
+    │   └── AuthenticationError
+    ├── TransportError
+    │   └── PeerRefused
+    ├── RateLimited                 raised by limited() / limit() / alimit()
+    └── NetsimError (RuntimeError)
+
+Some classes are also importable from the module that raises them
+(``geolimit.RateLimited``, ``geolimit.decorators.RateLimited``,
+``geolimit.replication.transport.TransportError``, ``geolimit.netsim.NetsimError``,
+``geolimit.server.api.BadRequest``): those names are these classes.
 """
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from geolimit.core.decision import Decision
+
 __all__ = [
     "AuthenticationError",
+    "BadRequest",
     "ConfigError",
     "GeolimitError",
+    "NetsimError",
+    "PeerRefused",
     "ProtocolError",
+    "RateLimited",
     "RequestError",
     "StorageError",
+    "TransportError",
     "UnknownRuleError",
 ]
 
@@ -39,6 +68,16 @@ class RequestError(GeolimitError, ValueError):
     """A call's arguments are invalid (bad cost, subject too long, ...)."""
 
 
+class BadRequest(RequestError):
+    """A request the agent's HTTP API refuses: ``status`` (400, 401, 404 or 413) and
+    ``field``, the offending field of the body or query (or ``None``)."""
+
+    def __init__(self, message: str, field: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.field = field
+        self.status = status
+
+
 class StorageError(GeolimitError):
     """Redis could not be reached or answered with an error."""
 
@@ -49,3 +88,37 @@ class ProtocolError(GeolimitError):
 
 class AuthenticationError(ProtocolError):
     """A replication message is unsigned, forged, replayed or too old."""
+
+
+class TransportError(GeolimitError):
+    """A peer could not be reached or refused a message."""
+
+
+class PeerRefused(TransportError):
+    """The peer received the message and refused its content (HTTP 400): sending
+    the same message again would be refused again."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RateLimited(GeolimitError):
+    """A call was denied by a rate limit; ``decision`` says which rule and for how long."""
+
+    def __init__(self, decision: Decision) -> None:
+        self.decision = decision
+        if math.isfinite(decision.retry_after):
+            wait = f"retry in {decision.retry_after:.3f} s"
+        else:
+            wait = "the cost exceeds the limit"
+        super().__init__(f"rate limit {decision.rule!r} exceeded ({decision.limit} per window): {wait}")
+
+    @property
+    def retry_after(self) -> float:
+        """Seconds to wait before the same call can succeed (``inf``: never)."""
+        return self.decision.retry_after
+
+
+class NetsimError(GeolimitError, RuntimeError):
+    """A netsim background task crashed; ``__cause__`` is the original exception."""

@@ -28,6 +28,9 @@ log = logging.getLogger("geolimit")
 _REGION_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 #: How often a long-lived limiter re-checks its rules against Redis.
 RULE_CHECK_INTERVAL = 60.0
+# Field of the rules hash naming the region that owns this Redis and prefix; "@" is
+# not allowed in rule names, so it cannot collide with one.
+REGION_FIELD = "@region"
 
 
 def validate_region(region: object) -> str:
@@ -138,13 +141,23 @@ class LimiterBase:
         self._check_due = time.monotonic() + RULE_CHECK_INTERVAL
 
     def _rule_check_plan(self) -> tuple[list[str], list[bytes], int]:
+        """Fields to HSETNX into the rules hash and compare: each rule's structure,
+        then this region's name under :data:`REGION_FIELD` (no rules: nothing)."""
         names = sorted(self._rules)
         specs = [b"%d/%d" % self._rules[n].structure for n in names]
+        if names:
+            names.append(REGION_FIELD)
+            specs.append(self._region_b)
         ttl_ms = max([3_600_000, *(2 * r.ttl_ms for r in self._rules.values())])
         return names, specs, ttl_ms
 
     def _verify_rule_specs(self, names: list[str], mine: list[bytes], theirs: list[bytes | None]) -> None:
+        """ConfigError on a window/resolution mismatch, or when ``names`` carries
+        :data:`REGION_FIELD` and Redis holds another region's name there."""
         for name, want, have in zip(names, mine, theirs, strict=True):
+            if name == REGION_FIELD:
+                self._verify_region(have)
+                continue
             if have is not None and have != want:
                 w_win, w_res = (int(x) / 1e6 for x in want.split(b"/"))
                 h_win, h_res = (int(x) / 1e6 for x in have.split(b"/"))
@@ -154,6 +167,17 @@ class LimiterBase:
                     f"sharing this Redis must agree on them (the limit may differ); rename the "
                     f"rule to change its window or resolution"
                 )
+
+    def _verify_region(self, have: bytes | str | None) -> None:
+        have_b = have.encode() if isinstance(have, str) else have
+        if have_b is not None and have_b != self._region_b:
+            raise ConfigError(
+                f"this Redis (key prefix {self._layout.prefix!r}) belongs to region "
+                f"{have_b.decode(errors='replace')!r}, but this process names region {self._region!r}: "
+                f"each region needs its own Redis (or its own database or key prefix); check the "
+                f"Redis URL and the region name. If the region was renamed on purpose, run "
+                f"HDEL {self._layout.rules_key.decode(errors='replace')} {REGION_FIELD} on this Redis"
+            )
 
     def _degrade(self, requests: Sequence[HitRequest], exc: StorageError) -> list[Decision]:
         if self._on_error == "raise":

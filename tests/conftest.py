@@ -37,6 +37,17 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return report_header()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``nightly`` (long hypothesis profiles) run only when the ``-m``
+    expression names the marker (``pytest -m nightly``); otherwise they are deselected."""
+    if "nightly" in (config.option.markexpr or ""):
+        return
+    nightly = [item for item in items if item.get_closest_marker("nightly") is not None]
+    if nightly:
+        config.hook.pytest_deselected(items=nightly)
+        items[:] = [item for item in items if item.get_closest_marker("nightly") is None]
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if _USED:
         terminalreporter.section("geolimit: Redis used by this session")

@@ -130,14 +130,39 @@ def test_keys_expire_and_stale_buckets_are_removed(make_limiter: MakeLimiter, ra
         limiter.hit("api", "k")
         clock.advance(1)
     key = limiter.layout.data_key("api", b"k")
-    assert 0 < raw_client.pttl(key) <= rule.ttl_ms
+    # The TTL is armed for ttl_ms plus a quarter (re-armed only when it runs low).
+    assert rule.ttl_ms < raw_client.pttl(key) <= rule.ttl_ms * 5 // 4 + 1
     fields = raw_client.hgetall(key)
-    live = {f for f in fields if f != b"h"}
+    live = {f for f in fields if f not in (b"h", b"e")}
     assert len(live) <= rule.ring  # positions passed over by the head were cleared
     clock.advance(3600)  # an hour later only the new bucket is left
     limiter.hit("api", "k")
-    assert {f for f in raw_client.hgetall(key) if f != b"h"} == {b"%d" % ((clock.now_us() // 1_000_000) % rule.ring)}
+    live = {f for f in raw_client.hgetall(key) if f not in (b"h", b"e")}
+    assert live == {b"%d" % ((clock.now_us() // 1_000_000) % rule.ring)}
     assert limiter.usage("api", "k").total == 1
+
+
+def test_a_ttl_that_runs_low_is_rearmed_by_the_next_write(make_limiter: MakeLimiter, raw_client: Any) -> None:
+    clock = ManualClock(1_700_000_000.0)
+    rule = Rule("api", 100, 10, 1)
+    limiter = make_limiter([rule], clock=clock)
+    limiter.hit("api", "k")
+    key = limiter.layout.data_key("api", b"k")
+    armed = raw_client.pttl(key)
+    clock.advance(1)
+    limiter.hit("api", "k")  # the head moves, the TTL still lasts: not re-armed
+    assert raw_client.pttl(key) <= armed
+    # As if ttl_ms had passed on the Redis clock: 500 ms left, and the mark says so.
+    mark = int(raw_client.time()[0]) * 1000 + 500
+    raw_client.hset(key, b"e", mark)
+    raw_client.pexpire(key, 500)
+    clock.advance(1)
+    limiter.hit("api", "k")
+    assert raw_client.pttl(key) > rule.ttl_ms, "the write re-armed the TTL for a full ttl_ms"
+    assert limiter.usage("api", "k").total == 3
+    clock.advance(1)
+    limiter.hit("api", "k")  # and the new mark is trusted again
+    assert raw_client.pttl(key) > rule.ttl_ms
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,11 @@ class RuleDecision:
     """The outcome for one rule of a request.
 
     Times are seconds. ``retry_after`` is 0 when allowed and ``math.inf`` when the
-    cost is larger than the limit (the request can never be allowed). A plain
+    cost is larger than the limit (the request can never be allowed).
+    ``reset_after`` is the time until the window holds nothing. ``stable_for`` is
+    a time during which ``remaining`` cannot grow: a lower bound (until the next
+    bucket boundary in strict mode, 0 in approximate mode), exact when nothing is
+    counted (the whole window) or one unit is (until its bucket leaves). A plain
     record (not frozen: building frozen dataclasses costs a microsecond each on
     the decision path).
     """
@@ -29,6 +33,7 @@ class RuleDecision:
     retry_after: float
     reset_after: float
     window: float
+    stable_for: float = 0.0
 
 
 @dataclass(slots=True)
@@ -74,6 +79,7 @@ class Decision:
                     "retry_after": _finite(r.retry_after),
                     "reset_after": r.reset_after,
                     "window": r.window,
+                    "stable_for": r.stable_for,
                 }
                 for r in self.results
             ],
@@ -87,6 +93,14 @@ def _finite(value: float) -> float | None:
 def rule_decision(rule: Rule, allowed: int, used: int, retry_us: int, reset_us: int) -> RuleDecision:
     """A :class:`RuleDecision` from the script's integers (microseconds)."""
     remaining = rule.limit - used
+    if reset_us <= 0:  # nothing counted: the whole limit is available for a window
+        stable_us = rule.window_us
+    elif used == 1:  # one unit, in one bucket: it counts in full until that bucket leaves
+        stable_us = reset_us
+    elif rule.mode == "approximate":  # the oldest bucket's weight shrinks continuously
+        stable_us = 0
+    else:  # buckets leave the window at bucket boundaries; reset_us ends on one
+        stable_us = reset_us % rule.resolution_us or rule.resolution_us
     return RuleDecision(
         rule.name,
         allowed == 1,
@@ -95,6 +109,7 @@ def rule_decision(rule: Rule, allowed: int, used: int, retry_us: int, reset_us: 
         math.inf if retry_us < 0 else retry_us / 1e6,
         reset_us / 1e6,
         rule.window_us / 1e6,
+        stable_us / 1e6,
     )
 
 

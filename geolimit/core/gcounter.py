@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-SUBSTEPS = 64  # geolimit.core.window.SUBSTEPS (kept here to avoid an import cycle)
+from geolimit.core.window import SUBSTEPS
 
 __all__ = [
     "Cell",

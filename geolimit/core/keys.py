@@ -84,12 +84,6 @@ class KeyLayout:
     def registry_key(self, shard: int) -> bytes:
         return self.tag(shard) + b"#r"
 
-    def changed_key(self, shard: int) -> bytes:
-        return self.tag(shard) + b"#c"
-
-    def peers_key(self, shard: int) -> bytes:
-        return self.tag(shard) + b"#p"
-
     def aux_keys(self, shard: int) -> tuple[bytes, bytes, bytes]:
         """``(registry, changed, peers)`` of a shard, in the order scripts expect."""
         tag = self.tag(shard)

@@ -25,7 +25,10 @@ from typing import Any, Literal
 from geolimit.core.window import MAX_COUNT
 from geolimit.errors import ConfigError
 
-__all__ = ["MAX_BUCKETS", "MAX_CLOCK_SKEW", "Mode", "Partition", "Rule", "parse_duration", "parse_rate"]
+__all__ = [
+    "MAX_BUCKETS", "MAX_CLOCK_SKEW", "MAX_WINDOW", "Mode", "Partition", "Rule", "parse_duration", "parse_rate",
+    "parse_rates", "window_label",
+]
 
 Mode = Literal["strict", "approximate"]
 Partition = Literal["local", "share", "closed"]
@@ -40,6 +43,13 @@ _MIN_RESOLUTION_US = 1_000
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
+#: The longest window a rule may have: 100 years of 365 days. Bucket times are
+#: microseconds since 1970 in Lua doubles (exact below 2**53, until the year
+#: 2255); the clock plus a window must stay there.
+MAX_WINDOW = 100 * 365 * 86400
+
+#: Rate-string unit lengths; ``month`` and ``year`` are those of the ``limits``
+#: library (30 and 360 days).
 _UNITS: dict[str, float] = {}
 for _names, _seconds in (
     (("ms", "msec", "millisecond", "milliseconds"), 0.001),
@@ -48,18 +58,37 @@ for _names, _seconds in (
     (("h", "hr", "hrs", "hour", "hours"), 3600.0),
     (("d", "day", "days"), 86400.0),
     (("w", "wk", "week", "weeks"), 604800.0),
+    (("mo", "month", "months"), 2592000.0),
+    (("y", "yr", "yrs", "year", "years"), 31104000.0),
 ):
     for _name in _names:
         _UNITS[_name] = _seconds
 
-_NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
-_DURATION_RE = re.compile(rf"^\s*({_NUMBER})?\s*([A-Za-z]+)\s*$")
-_RATE_RE = re.compile(r"^\s*(\d+)\s*(?:/|\s+per\s+)\s*(.+?)\s*$", re.IGNORECASE)
+# Digits and letters are ASCII only (no re.IGNORECASE: it would match the Kelvin sign as "k").
+_NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+_DURATION_RE = re.compile(rf"\s*({_NUMBER})?\s*([A-Za-z]+)\s*")
+_RATE_RE = re.compile(r"\s*([0-9]+)\s*(?:/|[Pp][Ee][Rr])\s*(.*?)\s*", re.DOTALL)
+_SEPARATORS = re.compile(r"[,;|]")
+#: Digits accepted in a rate's count (MAX_COUNT has 14).
+_MAX_DIGITS = 20
+_RATE_FORMS = "'100/minute', '1000/10s', '10/2m', '5 per hour' or '10/hour;5/minute'"
+
+
+class _NotPositive(ConfigError):
+    """A duration of zero."""
+
+
+class _TooLong(ConfigError):
+    """A duration past what a float holds."""
 
 
 def parse_duration(text: str) -> float:
-    """Parse ``"10s"``, ``"2m"``, ``"minute"``, ``"1.5 hours"`` or ``"250ms"`` into seconds."""
-    match = _DURATION_RE.match(text)
+    """Parse ``"10s"``, ``"2m"``, ``"minute"``, ``"1.5 hours"`` or ``"250ms"`` into seconds.
+
+    ASCII digits and unit names only (any case); ``month`` is 30 days and
+    ``year`` 360 days, as in the ``limits`` library.
+    """
+    match = _DURATION_RE.fullmatch(text) if isinstance(text, str) else None
     if match is None or match.group(2).lower() not in _UNITS:
         raise ConfigError(
             f"invalid duration {text!r}: expected a number and a unit such as '10s', "
@@ -68,31 +97,92 @@ def parse_duration(text: str) -> float:
     amount = float(match.group(1)) if match.group(1) else 1.0
     seconds = amount * _UNITS[match.group(2).lower()]
     if not seconds > 0:
-        raise ConfigError(f"invalid duration {text!r}: must be greater than zero")
+        raise _NotPositive(f"invalid duration {text!r}: must be greater than zero")
+    if not math.isfinite(seconds):
+        raise _TooLong(f"invalid duration {text!r}: too long")
     return seconds
 
 
-def parse_rate(text: str) -> tuple[int, float]:
-    """Parse a rate string into ``(limit, window_seconds)``.
+def _window_too_long(seconds: float) -> str | None:
+    if seconds <= MAX_WINDOW:
+        return None
+    return f"({seconds:.6g} s) is longer than the largest window, {MAX_WINDOW} s (100 years of 365 days)"
 
-    Accepted forms: ``"100/minute"``, ``"1000/10s"``, ``"5 per hour"``, ``"10/2m"``.
-    """
-    if not isinstance(text, str):
-        raise ConfigError(f"invalid rate {text!r}: expected a string such as '100/minute'")
-    match = _RATE_RE.match(text)
+
+def _parse_one(text: str, part: str, where: str) -> tuple[int, float]:
+    match = _RATE_RE.fullmatch(part)
     if match is None:
+        raise ConfigError(f"invalid rate {text!r}{where}: expected '<count>/<window>' such as {_RATE_FORMS}")
+    digits, window_text = match.group(1).lstrip("0") or "0", match.group(2)
+    if len(digits) > _MAX_DIGITS or int(digits) > MAX_COUNT:
         raise ConfigError(
-            f"invalid rate {text!r}: expected '<count>/<window>' such as '100/minute', "
-            f"'1000/10s', '10/2m' or '5 per hour'"
+            f"invalid rate {text!r}{where}: the count must be at most {MAX_COUNT} (2**46), "
+            f"got {digits if len(digits) <= _MAX_DIGITS else digits[:_MAX_DIGITS] + '...'}"
         )
     try:
-        window = parse_duration(match.group(2))
+        window = parse_duration(window_text)
+    except _NotPositive:
+        raise ConfigError(
+            f"invalid rate {text!r}{where}: the window {window_text!r} must be greater than zero"
+        ) from None
+    except _TooLong:
+        window = math.inf
     except ConfigError:
         raise ConfigError(
-            f"invalid rate {text!r}: the window {match.group(2)!r} is not a duration "
-            f"such as 'minute', '10s', '2m' or 'hour'"
+            f"invalid rate {text!r}{where}: the window {window_text!r} is not a duration "
+            f"such as 'minute', '10s', '2m', 'hour', 'month' or '250ms'"
         ) from None
-    return int(match.group(1)), window
+    too_long = _window_too_long(window)
+    if too_long:
+        raise ConfigError(f"invalid rate {text!r}{where}: the window {window_text!r} {too_long}")
+    return int(digits), window
+
+
+def parse_rates(text: str) -> list[tuple[int, float]]:
+    """Parse one or more rates into ``[(limit, window_seconds), ...]``, in order.
+
+    Each rate is ``<count>/<window>`` or ``<count> per <window>`` (spaces
+    optional): ``"100/minute"``, ``"1000/10s"``, ``"5 per hour"``, ``"10per2minutes"``,
+    ``"7/250ms"``. Several rates are separated by ``;``, ``,`` or ``|``:
+    ``"10/hour;5/minute"``. The syntax of the ``limits`` library is a subset.
+    """
+    if not isinstance(text, str):
+        raise ConfigError(f"invalid rate {text!r}: expected a string such as {_RATE_FORMS}")
+    parts = _SEPARATORS.split(text)
+    if len(parts) == 1:
+        return [_parse_one(text, text, "")]
+    out = []
+    for i, part in enumerate(parts, 1):
+        where = f" (limit {i} of {len(parts)}: {part.strip()!r})"
+        if not part.strip():
+            raise ConfigError(f"invalid rate {text!r}: limit {i} of {len(parts)} is empty")
+        out.append(_parse_one(text, part, where))
+    return out
+
+
+def parse_rate(text: str) -> tuple[int, float]:
+    """Parse one rate string into ``(limit, window_seconds)`` (see :func:`parse_rates`).
+
+    Accepted forms: ``"100/minute"``, ``"1000/10s"``, ``"5 per hour"``, ``"10/2m"``.
+    A string holding several limits is refused: use :func:`parse_rates`.
+    """
+    rates = parse_rates(text)
+    if len(rates) > 1:
+        raise ConfigError(
+            f"invalid rate {text!r}: it holds {len(rates)} limits where one is expected "
+            f"(parse_rates and Rule.parse_many read several)"
+        )
+    return rates[0]
+
+
+def window_label(seconds: float) -> str:
+    """A short name for a window, in its largest whole unit: ``"1h"``, ``"90s"``, ``"250ms"``."""
+    micros = round(seconds * 1_000_000)
+    for unit, size in (("d", 86_400_000_000), ("h", 3_600_000_000), ("m", 60_000_000), ("s", 1_000_000),
+                       ("ms", 1_000)):
+        if micros % size == 0:
+            return f"{micros // size}{unit}"
+    return f"{micros}us"
 
 
 def _to_us(seconds: float, what: str, rule: str) -> int:
@@ -161,6 +251,9 @@ class Rule:
             raise ConfigError(f"rule {self.name!r}: predict must be true or false, got {self.predict!r}")
         object.__setattr__(self, "partition_after_us", _to_us(self.partition_after, "partition_after", self.name))
         window_us = _to_us(self.window, "window", self.name)
+        too_long = _window_too_long(self.window)
+        if too_long:
+            raise ConfigError(f"rule {self.name!r}: the window {too_long}")
         resolution = self.window / 10 if self.resolution is None else self.resolution
         resolution_us = _to_us(resolution, "resolution", self.name)
         if self.resolution is None and window_us % 10:
@@ -210,6 +303,40 @@ class Rule:
         if isinstance(resolution, str):
             resolution = parse_duration(resolution)
         return cls(name, limit, window, resolution, mode, **options)
+
+    @classmethod
+    def parse_many(
+        cls,
+        name: str,
+        rates: str,
+        resolution: float | str | None = None,
+        mode: Mode = "strict",
+        **options: Any,
+    ) -> list[Rule]:
+        """One rule per limit of ``rates``: ``Rule.parse_many("api", "10/hour;5/minute")``.
+
+        A single limit keeps ``name``; several are named ``<name>.<window>``
+        (``api.1h``, ``api.1m``), so their windows must differ. Pass the list to
+        ``hit`` (all-or-nothing) or to the limiter's ``rules``. ``resolution`` and
+        the options apply to every rule.
+        """
+        parsed = parse_rates(rates)
+        if isinstance(resolution, str):
+            resolution = parse_duration(resolution)
+        if len(parsed) == 1:
+            limit, window = parsed[0]
+            return [cls(name, limit, window, resolution, mode, **options)]
+        labels = [window_label(window) for _, window in parsed]
+        for i, label in enumerate(labels):
+            if label in labels[:i]:
+                raise ConfigError(
+                    f"invalid rate {rates!r} for rule {name!r}: two limits over the same window ({label}); "
+                    f"keep the stricter one"
+                )
+        return [
+            cls(f"{name}.{label}", limit, window, resolution, mode, **options)
+            for (limit, window), label in zip(parsed, labels, strict=True)
+        ]
 
     def with_limit(self, limit: int) -> Rule:
         """The same rule (same keys) with another limit."""

@@ -259,8 +259,9 @@ def _retry_approximate(
         needed = (limit - cost - newer) / oldest
         first = firsts[n - k] if firsts[n - k] < SUBSTEPS else 0
         span = res - first * res / SUBSTEPS
-        at = (current + k + 1) * res - needed * span
-        return math.ceil(at - now_us)
+        # Relative to now (an integer difference first): an absolute time in
+        # microseconds as a double is only exact to about 0.25 us.
+        return math.ceil((current + k + 1) * res - now_us - needed * span)
     return (current + n + 1) * res - now_us
 
 
@@ -302,7 +303,7 @@ def read_key(
     floors: dict[int, int] = {}
     stale: list[bytes] = []
     for name, raw in fields.items():
-        if name == b"h":
+        if name in (b"h", b"e"):  # the head and the expiry mark (see common.lua)
             continue
         f = parse_stored_int(name, signed=True)
         if f is None:

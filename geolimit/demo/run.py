@@ -348,7 +348,9 @@ class Demo:
             f"  requests      {acc.requests} offered, {acc.admitted} admitted ({by_region})",
             f"  over-admission  max {acc.max_over_pct:.2f}% ({acc.max_over} over the limit of {self.rule.limit} "
             f"in the worst {window} window), mean {acc.mean_over_pct:.2f}%",
-            f"  under-use     {acc.under_use_pct:.2f}% (mean shortfall in windows where demand reached the limit)",
+            f"  under-use     {acc.under_use_pct:.2f}% (mean shortfall in windows where demand reached the limit)"
+            if math.isfinite(acc.under_use_pct)
+            else f"  under-use     not measured (no whole {window} window of traffic with demand at the limit)",
             f"  decisions     {acc.wrongly_allowed_pct:.2f}% wrongly allowed, {acc.wrongly_denied_pct:.2f}% wrongly denied",
         ]
         if self.partition:
@@ -370,7 +372,7 @@ class Demo:
             title=f"geolimit demo: {len(self.fleet.names)} regions, {latency}, partition policy "
             f"'{self.rule.partition}' - over-admission max {acc.max_over_pct:.1f}%, mean {acc.mean_over_pct:.2f}%",
             footer=f"rule {self.rule.describe()}, {LOAD:g}x the limit offered (Poisson); "
-            f"under-use {acc.under_use_pct:.1f}%"
+            + (f"under-use {acc.under_use_pct:.1f}%" if math.isfinite(acc.under_use_pct) else "under-use not measured")
             + ("" if self.converged is None else f"; {self._converged_text()}"),
         )
 

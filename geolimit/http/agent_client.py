@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -34,8 +35,17 @@ class AgentClient:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         return self._session
 
-    async def hit(self, rules: str, subject: str | bytes, cost: int = 1) -> Decision:
-        body: dict[str, Any] = {"rule": rules, "cost": cost}
+    async def hit(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
+        """``POST /v1/check``: several rules are decided all-or-nothing."""
+        return await self._decide("/v1/check", rules, subject, cost)
+
+    async def peek(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
+        """``POST /v1/peek``: the same decision, consuming nothing."""
+        return await self._decide("/v1/peek", rules, subject, cost)
+
+    async def _decide(self, path: str, rules: str | Sequence[str], subject: str | bytes, cost: int) -> Decision:
+        body: dict[str, Any] = {"rule": rules} if isinstance(rules, str) else {"rules": list(rules)}
+        body["cost"] = cost
         if isinstance(subject, bytes):
             import base64
 
@@ -43,13 +53,13 @@ class AgentClient:
         else:
             body["subject"] = subject
         try:
-            async with self._client().post(self.url + "/v1/check", data=json.dumps(body), headers=self._headers) as resp:
+            async with self._client().post(self.url + path, data=json.dumps(body), headers=self._headers) as resp:
                 payload = await resp.json(content_type=None)
                 status = resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             raise StorageError(f"agent {self.url} unreachable: {type(exc).__name__}: {exc}") from exc
         if status == 404:
-            raise UnknownRuleError(rules)
+            raise UnknownRuleError(rules if isinstance(rules, str) else ", ".join(rules))
         if status != 200:
             raise StorageError(f"agent {self.url} answered HTTP {status}: {payload}")
         return _decision(payload)
@@ -66,6 +76,7 @@ def _decision(payload: dict[str, Any]) -> Decision:
             rule=r["rule"], allowed=r["allowed"], limit=r["limit"], remaining=r["remaining"],
             retry_after=math.inf if r["retry_after"] is None else float(r["retry_after"]),
             reset_after=float(r["reset_after"]), window=float(r["window"]),
+            stable_for=float(r.get("stable_for", 0.0)),
         )
         for r in payload.get("rules", [])
     ]

@@ -7,23 +7,34 @@ The reverse proxy and the ASGI/aiohttp middlewares all use a :class:`Guard`::
     if not verdict.allowed: ...  # 429 with verdict.headers() and problem_body(verdict.decision)
 
 The first route that matches decides. Each of its limits names a rule, a key and
-a cost. Limits are decided one after the other (each atomically in Redis); a
-request is let through only if every enforced limit allows it. A *shadow* limit
-counts and reports but never denies. When Redis (or the agent) cannot be reached,
+a cost. A route's enforced limits are decided all-or-nothing, as the library's
+``hit`` on several rules: a request denied by one limit consumes none of them.
+Limits that share a key and a cost are decided in one atomic call. When they do
+not (``api`` per address and ``bandwidth`` per body byte), every group is first
+peeked, and consumed only if all allow; a concurrent request can slip between
+the peek and the hits, and then a denied request may still consume the groups
+decided before the race showed. A rule the decider cannot decide (one the agent
+does not know) fails on its own, by its ``on_error``; its group-mates are then
+decided without it.
+
+A *shadow* limit never denies and never shows in the response headers: it is
+decided after the enforced limits, and counts the requests they admit (what it
+would count if it were enforced). When Redis (or the agent) cannot be reached,
 each limit fails open or closed as configured, and the verdict is marked.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from geolimit.core.decision import Decision, RuleDecision, combine
-from geolimit.errors import StorageError
-from geolimit.http.headers import rate_limit_headers
+from geolimit.errors import GeolimitError, StorageError
+from geolimit.http.headers import QuotaUnit, rate_limit_headers
 from geolimit.http.keys import CostSpec, KeySpec, Network, RequestInfo, Route, trusted_networks
 
 __all__ = ["Decider", "Guard", "LimitSpec", "RoutePolicy", "Verdict"]
@@ -32,9 +43,16 @@ log = logging.getLogger("geolimit.http")
 
 
 class Decider(Protocol):
-    """An :class:`~geolimit.AsyncLimiter`, or a client of the local agent."""
+    """An :class:`~geolimit.AsyncLimiter`, or a client of the local agent.
 
-    async def hit(self, rules: str, subject: str | bytes, cost: int = 1) -> Decision: ...
+    ``hit`` with several rule names decides them all-or-nothing. ``peek`` (which
+    consumes nothing) is used for routes whose limits need several calls; a
+    decider without it gets those decided one hit after the other.
+    """
+
+    async def hit(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision: ...
+
+    async def peek(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision: ...
 
 
 @dataclass(frozen=True)
@@ -54,15 +72,74 @@ class RoutePolicy:
 
 @dataclass
 class Verdict:
+    """A request's outcome.
+
+    ``decision`` combines the enforced limits' results (``None``: no route
+    matched, the route has no enforced limit, or every one failed open);
+    ``units`` says how each of its results is counted in the headers.
+    ``shadow`` combines the shadow limits' results (never shown to clients).
+    """
+
     allowed: bool
-    decision: Decision | None = None  # every rule's result combined (None: no route matched)
+    decision: Decision | None = None
     denied_by: list[str] = field(default_factory=list)  # enforced rules that denied
     shadow_denied: list[str] = field(default_factory=list)  # shadow rules that would have denied
     failed: list[str] = field(default_factory=list)  # rules decided by on_error (storage down)
     bad_request: str | None = None  # the cost could not be read from the request
+    units: tuple[QuotaUnit, ...] = ()
+    shadow: Decision | None = None
 
     def headers(self, legacy: bool = False) -> list[tuple[str, str]]:
-        return [] if self.decision is None else rate_limit_headers(self.decision, legacy=legacy)
+        if self.decision is None:
+            return []
+        units = self.units if len(self.units) == len(self.decision.results) else None
+        return rate_limit_headers(self.decision, legacy=legacy, units=units)
+
+
+@dataclass
+class _Planned:
+    """One limit of a matched route, ready to decide."""
+
+    limit: LimitSpec
+    subject: str
+    cost: int
+    unit: QuotaUnit
+
+
+def _groups(planned: Sequence[_Planned]) -> list[list[_Planned]]:
+    """Limits that can be decided in one atomic call: the same subject and cost, distinct rules."""
+    groups: list[list[_Planned]] = []
+    for item in planned:
+        for group in groups:
+            head = group[0]
+            if (head.subject, head.cost) == (item.subject, item.cost) and all(
+                    p.limit.rule != item.limit.rule for p in group):
+                group.append(item)
+                break
+        else:
+            groups.append([item])
+    return groups
+
+
+_Call = Callable[[str | list[str], str, int], Awaitable[Decision]]
+_ONE_REQUEST = QuotaUnit()
+
+
+def _split_misconfigured(groups: list[list[_Planned]],
+                         decided: Sequence[Decision | StorageError]) -> list[list[_Planned]] | None:
+    """The groups again, with each group that failed for a configuration problem (a rule the agent
+    does not know, a window that disagrees with Redis: a StorageError caused by another
+    GeolimitError) split into single limits; None when there is none."""
+    split: list[list[_Planned]] = []
+    changed = False
+    for group, outcome in zip(groups, decided, strict=False):
+        cause = outcome.__cause__ if isinstance(outcome, StorageError) else None
+        if len(group) > 1 and isinstance(cause, GeolimitError) and not isinstance(cause, StorageError):
+            split += [[p] for p in group]
+            changed = True
+        else:
+            split.append(group)
+    return split if changed else None
 
 
 class Guard:
@@ -95,42 +172,117 @@ class Guard:
         if found is None:
             return Verdict(True)
         policy, params = found
-        verdict = Verdict(True)
-        results: list[RuleDecision] = []
+        planned: list[_Planned] = []
+        shadows: list[_Planned] = []
         for limit in policy.limits:
             subject = limit.key.subject(request, params, policy.route.template, self.trusted)
             try:
                 cost = limit.cost.cost(request)
             except ValueError as exc:
-                verdict.allowed = False
-                verdict.bad_request = f"cannot read the cost of rule {limit.rule!r}: {exc}"
-                return verdict
-            try:
-                decision = await self.decider.hit(limit.rule, subject, cost)
-            except StorageError as exc:
-                self._storage_failed(limit, exc)
-                verdict.failed.append(limit.rule)
-                self._count(limit.rule, f"error_{limit.on_error}")
-                if limit.on_error == "deny" and not limit.shadow:
-                    verdict.allowed = False
-                    verdict.denied_by.append(limit.rule)
-                continue
-            results.extend(decision.results)
-            if decision.allowed:
-                self._count(limit.rule, "allowed")
-            elif limit.shadow:
-                verdict.shadow_denied.append(limit.rule)
-                self._count(limit.rule, "shadow_denied")
-                log.info("shadow limit %s would deny %s %s for %s", limit.rule, request.method, request.path, subject)
+                return Verdict(False, bad_request=f"cannot read the cost of rule {limit.rule!r}: {exc}")
+            spec = limit.cost.spec
+            if spec == 1 and cost == 1:
+                unit = _ONE_REQUEST
             else:
-                verdict.allowed = False
-                verdict.denied_by.append(limit.rule)
-                self._count(limit.rule, "denied")
-        if results:
-            enforced = [r for r in results if r.rule not in verdict.shadow_denied]
-            shown = combine(enforced or results)
-            verdict.decision = shown
+                unit = QuotaUnit.of(cost, fixed=isinstance(spec, int), content_bytes=spec == "body")
+            (shadows if limit.shadow else planned).append(_Planned(limit, subject, cost, unit))
+        verdict = Verdict(True)
+        if planned:
+            shown = await self._enforce(_groups(planned) if len(planned) > 1 else [planned], verdict)
+            if shown:
+                verdict.decision = combine([r for r, _ in shown])
+                verdict.units = tuple([u for _, u in shown])
+        if shadows and verdict.allowed:
+            verdict.shadow = await self._shadow(_groups(shadows), verdict, request)
         return verdict
+
+    async def _enforce(self, groups: list[list[_Planned]], verdict: Verdict) -> list[tuple[RuleDecision, QuotaUnit]]:
+        """Decide the enforced groups all-or-nothing; the results to show, with their units."""
+        if not groups:
+            return []
+        groups, decided = await self._attempt(groups)
+        if any(type(d) is not Decision for d in decided):
+            split = _split_misconfigured(groups, decided)
+            if split is not None:  # a rule the decider cannot decide must not take its group-mates with it
+                groups, decided = await self._attempt(split)
+        return self._record(groups, decided, verdict)
+
+    async def _attempt(self, groups: list[list[_Planned]]) -> tuple[list[list[_Planned]], list[Decision | StorageError]]:
+        """Hit every group if all allow: one call for one group, else peeks first (the groups decided)."""
+        if len(groups) == 1:
+            return groups, [await self._one(groups[0], self.decider.hit)]
+        peek = getattr(self.decider, "peek", None)
+        if peek is not None:
+            peeked = await self._decide(groups, peek)
+            if any(isinstance(d, Decision) and not d.allowed for d in peeked) or any(
+                    isinstance(d, StorageError) and p.limit.on_error == "deny"
+                    for group, d in zip(groups, peeked, strict=True) for p in group):
+                return groups, peeked
+            return groups, await self._decide(groups, self.decider.hit)
+        decided: list[Decision | StorageError] = []
+        for group in groups:  # no peek: stop at the first denial
+            decided += await self._decide([group], self.decider.hit)
+            if isinstance(decided[-1], Decision) and not decided[-1].allowed:
+                break
+        return groups[: len(decided)], decided
+
+    @staticmethod
+    async def _one(group: list[_Planned], call: _Call) -> Decision | StorageError:
+        first = group[0]
+        try:
+            return await call(first.limit.rule if len(group) == 1 else [p.limit.rule for p in group],
+                              first.subject, first.cost)
+        except StorageError as exc:
+            return exc
+
+    async def _decide(self, groups: list[list[_Planned]], call: _Call) -> list[Decision | StorageError]:
+        if len(groups) == 1:
+            return [await self._one(groups[0], call)]
+        return list(await asyncio.gather(*(self._one(g, call) for g in groups)))
+
+    def _record(self, groups: list[list[_Planned]], decided: list[Decision | StorageError],
+                verdict: Verdict) -> list[tuple[RuleDecision, QuotaUnit]]:
+        shown: list[tuple[RuleDecision, QuotaUnit]] = []
+        for group, outcome in zip(groups, decided, strict=True):
+            if isinstance(outcome, StorageError):
+                for p in group:
+                    self._storage_failed(p.limit, outcome)
+                    verdict.failed.append(p.limit.rule)
+                    self._count(p.limit.rule, f"error_{p.limit.on_error}")
+                    if p.limit.on_error == "deny":
+                        verdict.allowed = False
+                        verdict.denied_by.append(p.limit.rule)
+                continue
+            for p, result in zip(group, outcome.results, strict=True):
+                shown.append((result, p.unit))
+                if result.allowed:
+                    self._count(p.limit.rule, "allowed")
+                else:
+                    verdict.allowed = False
+                    verdict.denied_by.append(p.limit.rule)
+                    self._count(p.limit.rule, "denied")
+        return shown
+
+    async def _shadow(self, groups: list[list[_Planned]], verdict: Verdict, request: RequestInfo) -> Decision | None:
+        """Count an admitted request against the shadow limits; they never deny."""
+        results: list[RuleDecision] = []
+        for group, outcome in zip(groups, await self._decide(groups, self.decider.hit), strict=True):
+            if isinstance(outcome, StorageError):
+                for p in group:
+                    self._storage_failed(p.limit, outcome)
+                    verdict.failed.append(p.limit.rule)
+                    self._count(p.limit.rule, f"error_{p.limit.on_error}")
+                continue
+            for p, result in zip(group, outcome.results, strict=True):
+                results.append(result)
+                if result.allowed:
+                    self._count(p.limit.rule, "allowed")
+                else:
+                    verdict.shadow_denied.append(p.limit.rule)
+                    self._count(p.limit.rule, "shadow_denied")
+                    log.info("shadow limit %s would deny %s %s for %s", p.limit.rule, request.method,
+                             request.path, p.subject)
+        return combine(results) if results else None
 
     def _storage_failed(self, limit: LimitSpec, exc: StorageError) -> None:
         now = time.monotonic()

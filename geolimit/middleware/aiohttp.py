@@ -12,7 +12,8 @@ responses get the ``RateLimit-Policy`` / ``RateLimit`` headers (plus
 ``X-RateLimit-*`` with ``legacy_headers=True``), except names the handler set
 itself; ``web.HTTPException`` raised by the handler gets them too. The
 :class:`~geolimit.http.guard.Verdict` is stored on the request
-(``request[VERDICT_KEY]``); its ``decision`` is ``None`` when no route matched
+(``request[VERDICT_KEY]``); its ``decision`` is ``None`` when no route matched,
+the route has only shadow limits (never shown in headers; see ``verdict.shadow``)
 or every limit failed open.
 
 **Streamed responses.** A :class:`~aiohttp.web.StreamResponse` (or a
@@ -75,7 +76,7 @@ def geolimit_middleware(
             headers = CIMultiDict((n, v) for n, v in reply.headers if n.lower() != "content-length")
             return web.Response(status=reply.status, body=reply.body, headers=headers)
         request[VERDICT_KEY] = verdict
-        if verdict.decision is None:  # no route matched, or every limit failed open
+        if verdict.decision is None:  # no route matched, only shadow limits, or all failed open
             return await handler(request)
         extra = verdict.headers(legacy_headers)
         request[HEADERS_KEY] = extra

@@ -18,7 +18,8 @@ No framework is imported; the middleware speaks the ASGI protocol directly::
   except for names the app set itself. The app finds the
   :class:`~geolimit.http.guard.Verdict` in ``scope["state"]["geolimit"]``
   (``request.state.geolimit`` in Starlette); its ``decision`` is ``None`` when
-  no route matched or every limit failed open (see ``verdict.failed``).
+  no route matched, the route has only shadow limits (they never show in
+  headers; see ``verdict.shadow``), or every limit failed open (see ``verdict.failed``).
 * **Paths** are matched against ``scope["path"]`` as the server delivers it.
 * **Client addresses** come from ``scope["client"]``. Servers may already have
   rewritten it: uvicorn's ``proxy_headers`` (on by default) replaces it with the
@@ -116,7 +117,7 @@ class GeolimitMiddleware:
             await self._send_reply(scope, send, reply)
             return
         scope = {**scope, "state": {**(scope.get("state") or {}), STATE_KEY: verdict}}
-        if verdict.decision is None:  # no route matched, or every limit failed open
+        if verdict.decision is None:  # no route matched, only shadow limits, or all failed open
             await self.app(scope, receive, send)
             return
         await self.app(scope, receive, self._with_headers(send, verdict))

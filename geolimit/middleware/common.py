@@ -20,15 +20,15 @@ Both middlewares decide a request with a :class:`~geolimit.http.guard.Guard`
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from geolimit.core.decision import Decision
-from geolimit.errors import RequestError
+from geolimit.core.rule import Rule
+from geolimit.errors import ConfigError, RequestError
 from geolimit.http.guard import Decider, Guard, LimitSpec, RoutePolicy, Verdict
-from geolimit.http.headers import PROBLEM_TYPE, problem_body
+from geolimit.http.headers import PROBLEM_TYPE, problem_body, problem_document
 from geolimit.http.keys import CostSpec, KeySpec, RequestInfo, Route, bounded_subject
 from geolimit.limiter import Limiter
 
@@ -51,8 +51,11 @@ class BoundedDecider:
     def __init__(self, inner: Decider) -> None:
         self.inner = inner
 
-    async def hit(self, rules: str, subject: str | bytes, cost: int = 1) -> Decision:
+    async def hit(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
         return await self.inner.hit(rules, bounded_subject(subject), cost)
+
+    async def peek(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
+        return await self.inner.peek(rules, bounded_subject(subject), cost)
 
 
 class ThreadedDecider:
@@ -66,8 +69,11 @@ class ThreadedDecider:
     def __init__(self, limiter: Limiter) -> None:
         self.limiter = limiter
 
-    async def hit(self, rules: str, subject: str | bytes, cost: int = 1) -> Decision:
+    async def hit(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
         return await asyncio.to_thread(self.limiter.hit, rules, subject, cost)
+
+    async def peek(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
+        return await asyncio.to_thread(self.limiter.peek, rules, subject, cost)
 
 
 def as_decider(limiter: Decider | Limiter) -> Decider:
@@ -77,7 +83,7 @@ def as_decider(limiter: Decider | Limiter) -> Decider:
 
 def policy(
     path: str,
-    rule: str,
+    rule: str | Rule | Sequence[str | Rule],
     *,
     key: str = "ip",
     cost: int | str = 1,
@@ -85,15 +91,22 @@ def policy(
     shadow: bool = False,
     on_error: Literal["allow", "deny"] = "allow",
 ) -> RoutePolicy:
-    """A one-limit :class:`RoutePolicy`: ``policy("/api/*", "api", key="header:X-API-Key")``.
+    """A :class:`RoutePolicy`: ``policy("/api/*", "api", key="header:X-API-Key")``.
 
-    ``path`` is a route template (``/users/{id}``, ``/static/*``); ``key`` and
-    ``cost`` are :class:`KeySpec` and :class:`CostSpec` texts. For several limits
-    on one route build ``RoutePolicy(Route(...), (LimitSpec(...), ...))`` directly.
+    ``rule`` is a rule name, or several (names or :class:`~geolimit.Rule`
+    objects, such as ``Rule.parse_many("api", "10/hour;5/minute")``), decided
+    all-or-nothing with the same key and cost. ``path`` is a route template
+    (``/users/{id}``, ``/static/*``); ``key`` and ``cost`` are :class:`KeySpec`
+    and :class:`CostSpec` texts. For limits with different keys or costs build
+    ``RoutePolicy(Route(...), (LimitSpec(...), ...))`` directly.
     """
     allowed = None if methods is None else frozenset(m.upper() for m in methods)
-    limit = LimitSpec(rule, KeySpec(key), CostSpec(cost), shadow=shadow, on_error=on_error)
-    return RoutePolicy(Route(path, allowed), (limit,))
+    items: Sequence[str | Rule] = [rule] if isinstance(rule, (str, Rule)) else rule
+    names = [item.name if isinstance(item, Rule) else item for item in items]
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"policy {path!r}: rule must be a rule name or a non-empty list of names, got {rule!r}")
+    limits = tuple(LimitSpec(name, KeySpec(key), CostSpec(cost), shadow=shadow, on_error=on_error) for name in names)
+    return RoutePolicy(Route(path, allowed), limits)
 
 
 def request_info(
@@ -123,11 +136,6 @@ class Reply:
     body: bytes
 
 
-def _problem(status: int, title: str, detail: str, instance: str) -> bytes:
-    doc = {"type": "about:blank", "title": title, "status": status, "detail": detail, "instance": instance}
-    return json.dumps(doc).encode()
-
-
 def _reply(status: int, headers: list[tuple[str, str]], body: bytes) -> Reply:
     return Reply(status, [*headers, ("Content-Type", PROBLEM_TYPE), ("Content-Length", str(len(body)))], body)
 
@@ -141,7 +149,7 @@ async def decide(guard: Guard, request: RequestInfo, legacy: bool) -> tuple[Verd
     if verdict.allowed:
         return verdict, None
     if verdict.bad_request is not None:
-        return verdict, _reply(400, [], _problem(400, "Bad Request", verdict.bad_request, request.path))
+        return verdict, _reply(400, [], problem_document(400, "Bad Request", verdict.bad_request, request.path))
     decision = verdict.decision
     if decision is not None and not decision.allowed:
         return verdict, _reply(429, verdict.headers(legacy), problem_body(decision, request.path))
@@ -149,7 +157,7 @@ async def decide(guard: Guard, request: RequestInfo, legacy: bool) -> tuple[Verd
     headers = [(n, v) for n, v in verdict.headers(legacy) if n != "Retry-After"] + [("Retry-After", "1")]
     rules = ", ".join(map(repr, verdict.denied_by))
     detail = f"rate limiting is unavailable and {rules} {'fail' if len(verdict.denied_by) > 1 else 'fails'} closed"
-    return verdict, _reply(503, headers, _problem(503, "Service Unavailable", detail, request.path))
+    return verdict, _reply(503, headers, problem_document(503, "Service Unavailable", detail, request.path))
 
 
 def missing(headers: Sequence[tuple[str, str]], present: Iterable[str]) -> list[tuple[str, str]]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Literal
 
-from geolimit.errors import GeolimitError
+from geolimit.errors import NetsimError
 
 __all__ = ["DIRECTIONS", "Direction", "FaultyLink", "Latency", "LinkStats", "NetsimError"]
 
@@ -41,10 +41,6 @@ DIRECTIONS: tuple[Direction, Direction] = ("up", "down")
 _CHUNK = 64 * 1024
 #: Network errors that end one proxied connection (not the link).
 _NET_ERRORS = (ConnectionError, OSError, asyncio.IncompleteReadError)
-
-
-class NetsimError(GeolimitError, RuntimeError):
-    """A netsim background task crashed; ``__cause__`` is the original exception."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,8 @@ A complete file (every key; only ``[proxy] upstreams``, one of ``redis_url`` /
 
     [[rule]]                              # library mode only (agent mode: the agent's rules)
     name = "api"
-    limit = "5/10s"
+    limit = "5/10s"                       # several rates make several rules: "10/hour;5/minute" gives
+                                          # api.1h and api.1m, and a limit naming "api" applies both
 
     [[route]]                             # first match wins; no match: forwarded unlimited
     path = "/api/{version}/*"
@@ -57,7 +58,7 @@ from geolimit.server.config import (
     load_toml,
     parse_listen,
     parse_positive_int,
-    parse_rules,
+    parse_rule_groups,
     parse_seconds,
     read_secret,
     require,
@@ -158,15 +159,19 @@ def parse_proxy_config(data: Mapping[str, Any], path: Path | None = None) -> Pro
         opts["shards"] = parse_positive_int(proxy["shards"], src, "proxy.shards")
     library = _mode(proxy, src, base, opts)
     rules: tuple[Rule, ...] = ()
+    groups: dict[str, tuple[str, ...]] | None = None
     if library:
         if "rule" not in data:
             raise ConfigError(f"{src}: missing key rule: library mode (proxy.redis_url) needs [[rule]] tables "
                               f"(name, limit) for the routes' limits")
-        rules = parse_rules(data["rule"], src)
+        tables = parse_rule_groups(data["rule"], src)
+        rules = tuple(rule for group in tables.values() for rule in group)
+        groups = {name: tuple(r.name for r in group) for name, group in tables.items()}
+        groups.update({r.name: (r.name,) for r in rules})
     elif "rule" in data:
         raise ConfigError(f"{src}: unknown key 'rule': in agent mode (proxy.agent_url) the rules are the agent's; "
                           f"remove the [[rule]] tables")
-    opts["routes"] = _routes(data.get("route", []), src, {r.name for r in rules} if library else None)
+    opts["routes"] = _routes(data.get("route", []), src, groups)
     opts["rules"] = rules
     opts.update(_log(get_table(data, "log", src), src))
     return ProxyConfig(path=path, **opts)
@@ -241,7 +246,7 @@ def _trusted(raw: object, src: str) -> tuple[str, ...]:
     return tuple(cast(list[str], raw))
 
 
-def _routes(raw: object, src: str, rules: set[str] | None) -> tuple[RoutePolicy, ...]:
+def _routes(raw: object, src: str, rules: Mapping[str, tuple[str, ...]] | None) -> tuple[RoutePolicy, ...]:
     if not isinstance(raw, list):
         raise ConfigError(f"{src}: routes are [[route]] tables")
     out: list[RoutePolicy] = []
@@ -261,7 +266,7 @@ def _routes(raw: object, src: str, rules: set[str] | None) -> tuple[RoutePolicy,
         limits = item.get("limits", [])
         if not isinstance(limits, list):
             raise ConfigError(f"{src}: {where}.limits must be a list of {{ rule = ..., key = ... }} tables")
-        specs = tuple(_limit(x, src, f"{where}.limits[{j}]", rules) for j, x in enumerate(limits))
+        specs = tuple(spec for j, x in enumerate(limits) for spec in _limit(x, src, f"{where}.limits[{j}]", rules))
         out.append(RoutePolicy(route, specs))
     return tuple(out)
 
@@ -276,7 +281,8 @@ def _methods(raw: object, src: str, where: str) -> frozenset[str]:
     return methods
 
 
-def _limit(item: object, src: str, where: str, rules: set[str] | None) -> LimitSpec:
+def _limit(item: object, src: str, where: str, rules: Mapping[str, tuple[str, ...]] | None) -> list[LimitSpec]:
+    """The limits of one ``limits`` entry: one per rule its name stands for (several for ``"10/hour;5/minute"``)."""
     if not isinstance(item, Mapping):
         raise ConfigError(f"{src}: {where} must be a table such as {{ rule = \"api\", key = \"ip\" }}")
     check_keys(item, _LIMIT_KEYS, src, where + ".")
@@ -284,6 +290,7 @@ def _limit(item: object, src: str, where: str, rules: set[str] | None) -> LimitS
     if rules is not None and rule not in rules:
         known = ", ".join(sorted(rules)) or "none"
         raise ConfigError(f"{src}: {where}.rule: unknown rule {rule!r}; [[rule]] tables define: {known}")
+    names = (rule,) if rules is None else rules[rule]
     try:
         key = KeySpec(require(item, "key", str, src, f"{where}.key")) if "key" in item else KeySpec("ip")
     except ConfigError as exc:
@@ -298,7 +305,7 @@ def _limit(item: object, src: str, where: str, rules: set[str] | None) -> LimitS
     if on_error not in ("allow", "deny"):
         raise ConfigError(f"{src}: {where}.on_error must be 'allow' (fail open) or 'deny' (fail closed), "
                           f"got {on_error!r}")
-    return LimitSpec(rule, key, cost, shadow, cast(Literal["allow", "deny"], on_error))
+    return [LimitSpec(name, key, cost, shadow, cast(Literal["allow", "deny"], on_error)) for name in names]
 
 
 def _log(logs: Mapping[str, Any], src: str) -> dict[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.core.decision import Decision
@@ -31,19 +32,29 @@ class ProxyDecider:
         self.inner = inner
         self._last_log = 0.0
 
-    async def hit(self, rules: str, subject: str | bytes, cost: int = 1) -> Decision:
+    async def hit(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
+        """Decide ``rules`` (several: all-or-nothing) and consume."""
+        return await self._decide(self.inner.hit, rules, subject, cost)
+
+    async def peek(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
+        """The decision ``hit`` would make, consuming nothing."""
+        return await self._decide(self.inner.peek, rules, subject, cost)
+
+    async def _decide(self, call: Callable[[str | Sequence[str], str | bytes, int], Awaitable[Decision]],
+                      rules: str | Sequence[str], subject: str | bytes, cost: int) -> Decision:
         if cost > MAX_COST:
             raise RequestError(f"cost {cost} is above the maximum of {MAX_COST}")
         try:
-            return await self.inner.hit(rules, bounded_subject(subject), cost)
+            return await call(rules, bounded_subject(subject), cost)
         except (StorageError, RequestError):
             raise
         except GeolimitError as exc:
+            names = rules if isinstance(rules, str) else ", ".join(rules)
             now = time.monotonic()
             if now - self._last_log > 10.0:
                 self._last_log = now
-                log.error("cannot decide rule %r (configuration problem): %s", rules, exc)
-            raise StorageError(f"cannot decide rule {rules!r}: {exc}") from exc
+                log.error("cannot decide rule(s) %s (configuration problem): %s", names, exc)
+            raise StorageError(f"cannot decide rule(s) {names}: {exc}") from exc
 
     async def close(self) -> None:
         if isinstance(self.inner, AsyncLimiter):

@@ -17,7 +17,6 @@ or a small one already read); each upstream is tried at most once.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from yarl import URL
 
 from geolimit.errors import RequestError
 from geolimit.http.guard import Guard, RoutePolicy, Verdict
-from geolimit.http.headers import PROBLEM_TYPE, problem_body
+from geolimit.http.headers import PROBLEM_TYPE, problem_body, problem_document
 from geolimit.http.keys import Network, RequestInfo
 from geolimit.proxy.config import ProxyConfig
 from geolimit.proxy.forwarding import request_headers, response_headers
@@ -66,8 +65,9 @@ class _BodyTooLarge(Exception):
 
 
 def problem(status: int, title: str, detail: str, instance: str, headers: Iterable[tuple[str, str]] = ()) -> web.Response:
-    doc = {"type": "about:blank", "title": title, "status": status, "detail": detail, "instance": instance}
-    resp = web.Response(status=status, body=json.dumps(doc).encode(), headers=dict(headers))
+    """An RFC 9457 response; ``instance`` is the request path (percent-encoded here)."""
+    body = problem_document(status, title, detail, instance)
+    resp = web.Response(status=status, body=body, headers=dict(headers))
     resp.content_type = PROBLEM_TYPE
     return resp
 
@@ -139,6 +139,8 @@ class Forwarder:
         failed, shadow, denied = list(verdict.failed), list(verdict.shadow_denied), list(verdict.denied_by)
         for limit in policy.limits:
             rule = limit.rule
+            if limit.shadow and not verdict.allowed:
+                continue  # shadow limits count only the requests the enforced ones admit
             if rule in failed:
                 failed.remove(rule)
                 if rule in denied and limit.on_error == "deny" and not limit.shadow:

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 from geolimit.aio import cancel_and_wait
@@ -25,9 +25,10 @@ from geolimit.core.rule import Rule
 from geolimit.errors import ProtocolError, StorageError
 from geolimit.replication import wire
 from geolimit.replication.antientropy import AntiEntropyResult
+from geolimit.replication.gossip_receive import Receiver
 from geolimit.replication.gossip_repair import AntiEntropyDriver
-from geolimit.replication.peers import EngineSettings, PeerState
-from geolimit.replication.redis_io import MAX_WINDOW, MergeResult, Packed, ReplicationStore
+from geolimit.replication.peers import EngineSettings, PeerState, message_caps
+from geolimit.replication.redis_io import MAX_WINDOW, Packed, ReplicationStore
 from geolimit.replication.transport import PeerRefused, Transport, TransportError
 from geolimit.replication.wire import Blob
 
@@ -39,8 +40,8 @@ log = logging.getLogger("geolimit.gossip")
 NEVER_HEARD_US = 365 * 86_400 * 1_000_000
 
 
-class GossipEngine:
-    """Replicates one region's cells to its peers and merges theirs."""
+class GossipEngine(Receiver):
+    """Replicates one region's cells to its peers and merges theirs (see :class:`Receiver`)."""
 
     def __init__(
         self,
@@ -224,7 +225,13 @@ class GossipEngine:
         )
 
     async def _collect(self, peer: PeerState, slot: int, limit: int) -> Packed:
-        """Pack up to about ``limit`` cells of ``peer``'s outbox into in-flight ``slot``."""
+        """Pack up to ``limit`` cells of ``peer``'s outbox into in-flight ``slot``.
+
+        Shards are taken in turn from the peer's cursor, 8 per batch of script
+        calls. Each gets room for its whole outbox while the limit allows (a
+        whole outbox moves into flight in O(1), see pack.lua), and the last one
+        what is left, so the caps of a message never add up to more than ``limit``.
+        """
         total = Packed()
         owned = self.store.owned
         shards = len(owned)
@@ -234,9 +241,11 @@ class GossipEngine:
             if not todo:
                 break
             for start in range(0, len(todo), 8):
-                batch = todo[start : start + 8]  # packed at once: they share what is left of the limit
-                share = max(1, (limit - total.cells) // len(batch))
-                got = await self.store.pack(peer.name, slot, batch, share)
+                room = limit - total.cells
+                batch, caps = message_caps(todo[start : start + 8], peer.pending, room)
+                if not batch:
+                    break
+                got = await self.store.pack(peer.name, slot, batch, caps)
                 total.blobs += got.blobs
                 for shard, keys in got.shards.items():
                     total.shards[shard] = total.shards.get(shard, 0) + keys
@@ -335,111 +344,6 @@ class GossipEngine:
         if peer.failures in (1, 10) or peer.failures % 100 == 0:
             log.warning("region %s: gossip to %s failed (%d in a row): %s", self.region, peer.name, peer.failures, exc)
 
-    def _link_down(self, source: PeerState, target: str, now: float) -> bool:
-        """Does ``source`` report that it cannot deliver to ``target``?
-
-        Either its last attempt failed, or it has not had an acknowledgement for
-        two heartbeats (an idle link still acknowledges every heartbeat).
-        """
-        if target in source.failing:
-            return True
-        acked = source.acked_from(target)
-        return acked is None or now - acked > 2 * self.settings.heartbeat + 2 * self.settings.interval
-
-    def relays(self, source: PeerState) -> list[str]:
-        """The peers that cells from ``source`` are relayed to: every other peer.
-
-        ``source`` delivers to every peer itself (its outboxes are durable), so in
-        a healthy mesh a relay is a duplicate, and a duplicate raises nothing and
-        goes no further. Relaying only to peers the source reports failing saves
-        that traffic but depends on when the report arrives (a partial partition
-        was then repaired only by anti-entropy, seconds later), so every increase
-        is relayed until a cheaper rule is proven against the real-network test.
-        """
-        return [p for p in self.peers if p != source.name]
-
-    def note_reach(self, peer: PeerState, msg: wire.Message, now: float) -> None:
-        # A link of the sender's that just went down may have swallowed cells we
-        # merged before we knew: anti-entropy with that target repairs them, and
-        # relay covers what comes next.
-        up = [t for t in self.peers if t != peer.name and not self._link_down(peer, t, now)]
-        peer.reach = dict(msg.reach)
-        peer.reach_at = now
-        peer.failing = frozenset(msg.failing)
-        for target in up:
-            if self._link_down(peer, target, now):
-                self.peers[target].ae_needed = True
-        if msg.now_us:
-            sample = msg.now_us / 1_000_000 - (now - peer.rtt / 2)
-            peer.skew = sample if peer.skew == 0.0 else 0.8 * peer.skew + 0.2 * sample
-
-    # -- receiving ------------------------------------------------------------
-
-    async def receive(self, msg: wire.Message, admit: Callable[[], Awaitable[object]] | None = None) -> wire.Message:
-        """Handle an authenticated, decoded message from a peer and build the response.
-
-        ``admit`` (the replay guard) runs once the message passed every check and
-        before anything is written, so a refused message leaves Redis untouched.
-        """
-        now = self.clock()
-        peer = self.peers.get(msg.sender)
-        if peer is None:
-            raise ProtocolError(f"message from unknown peer {msg.sender!r}")
-        if msg.dest != self.region:
-            raise ProtocolError(f"message addressed to {msg.dest!r}, this is {self.region!r}")
-        if msg.shards != self.store.layout.shards:
-            raise ProtocolError(
-                f"{msg.sender} uses {msg.shards} shards and this region {self.store.layout.shards}: "
-                f"every region must use the same [region] shards"
-            )
-        if msg.kind not in ("delta", "ae"):
-            raise ProtocolError(f"unexpected message kind {msg.kind!r}")
-        reply = self.message("ack", peer.name)
-        if msg.kind == "delta":
-            await self._merge(peer, msg, admit)
-        else:
-            reply.ae = await self.repair.ae.handle(peer.name, msg.ae, admit)
-        peer.last_heard = now
-        self.note_reach(peer, msg, now)
-        return reply
-
-    async def _merge(
-        self, peer: PeerState, msg: wire.Message, admit: Callable[[], Awaitable[object]] | None = None
-    ) -> None:
-        if not msg.blobs:
-            if admit is not None:
-                await admit()
-            return
-        rules = self.store.rules
-        accepted = [n for n, structure in msg.rules.items() if n in rules and rules[n].structure == structure]
-        mismatched = sorted(n for n, s in msg.rules.items() if n in rules and rules[n].structure != s)
-        if mismatched:
-            log.warning("region %s: %s sent rules %s with another window/resolution; ignored",
-                        self.region, msg.sender, mismatched)
-        relay = self.relays(peer)
-        try:
-            merged = await self.store.merge_blobs(msg.blobs, peer.name, relay, accepted, admit)
-        except ProtocolError:
-            self.stats["refused"] += 1
-            raise
-        self.count(peer, merged)
-
-    def count(self, peer: PeerState, merged: MergeResult) -> None:
-        """Add a merge's outcome to the stats (and warn about own-slot claims)."""
-        peer.cells_received += merged.cells
-        self.stats["merged"] += merged.cells
-        self.stats["increased"] += merged.increased
-        self.stats["dropped_old"] += merged.dropped_old
-        self.stats["dropped_future"] += merged.dropped_future
-        self.stats["unknown_rule"] += merged.unknown_rule
-        self.stats["relayed"] += merged.relayed
-        own_ahead = merged.own_ahead
-        if own_ahead:
-            self.stats["own_ahead"] += own_ahead
-            log.warning("region %s: %s holds more hits in this region's own slot than this Redis (%d cells "
-                        "skipped): did Redis fail over or restore a snapshot and lose recent writes?",
-                        self.region, peer.name, own_ahead)
-
     # -- anti-entropy ---------------------------------------------------------
 
     async def anti_entropy(self, name: str) -> AntiEntropyResult:
@@ -461,5 +365,4 @@ class GossipEngine:
     def initial_sync_done(self) -> bool:
         """Every peer had a first anti-entropy exchange (concluded, even if it failed)."""
         return not self.settings.anti_entropy or all(p.ae_concluded for p in self.peers.values())
-
 

@@ -93,3 +93,23 @@ class PeerState:
         """When this peer last reported an acknowledgement from ``target`` (our clock)."""
         age = self.reach.get(target)
         return None if age is None else self.reach_at - age
+
+def message_caps(shards: list[int], pending: dict[int, int], room: int) -> tuple[list[int], list[int]]:
+    """The shards of one batch of pack calls and each one's cell cap, within ``room``.
+
+    A shard may take its whole outbox (``pending``: keys, about one cell each in
+    a steady stream) or an even share of the room left, whichever is more; the
+    caps never add up to more than ``room``.
+    """
+    batch: list[int] = []
+    caps: list[int] = []
+    for i, shard in enumerate(shards):
+        if room <= 0:
+            break
+        cap = min(room, max(pending.get(shard, 0), room // (len(shards) - i)))
+        if cap <= 0:
+            break
+        batch.append(shard)
+        caps.append(cap)
+        room -= cap
+    return batch, caps

@@ -24,6 +24,7 @@ from geolimit.core.rule import Rule
 from geolimit.core.usage import slot_names
 from geolimit.core.window import bucket_of, read_key
 from geolimit.errors import ProtocolError, StorageError
+from geolimit.replication.blob_check import vet_blob
 from geolimit.replication.digest import live_range, partition_of
 from geolimit.replication.wire import Blob, Cell6
 from geolimit.store.async_store import AsyncStore
@@ -121,6 +122,7 @@ class ReplicationStore:
         self.limits = limits or Limits()
         self.peers = list(peers)
         self._regions = [region.encode(), *(p.encode() for p in self.peers)]
+        self._allowed = frozenset(self._regions)
         self.set_rules(rules)
 
     def set_rules(self, rules: Mapping[str, Rule]) -> None:
@@ -176,12 +178,23 @@ class ReplicationStore:
                     out.oldest_us[peer] = since if old is None else min(old, since)
         return out
 
-    async def pack(self, peer: str, slot: int, shards: Sequence[int], max_cells: int | None = None) -> Packed:
-        """Take a batch of ``peer``'s outbox in ``shards`` into in-flight ``slot``."""
-        cells = min(max_cells or self.limits.pack_cells, self.limits.pack_cells)
-        head = [self._clock_arg(), peer.encode(), b"%d" % slot, b"%d" % self.limits.pack_keys, b"%d" % cells,
-                *self._pack_rules]
-        calls = [[b"1", self._registry(s), *head] for s in shards]
+    async def pack(
+        self, peer: str, slot: int, shards: Sequence[int], max_cells: int | Sequence[int] | None = None
+    ) -> Packed:
+        """Take a batch of ``peer``'s outbox in ``shards`` into in-flight ``slot``.
+
+        ``max_cells``: the cells each shard's call may put in its blob, one number
+        for all or one per shard (never more than ``limits.pack_cells``).
+        """
+        caps = [max_cells] * len(shards) if max_cells is None or isinstance(max_cells, int) else list(max_cells)
+        if len(caps) != len(shards):
+            raise ValueError("max_cells needs one cap per shard")
+        clock, name, w, keys = self._clock_arg(), peer.encode(), b"%d" % slot, b"%d" % self.limits.pack_keys
+        calls = [
+            [b"1", self._registry(s), clock, name, w, keys, b"%d" % min(cap or self.limits.pack_cells,
+                                                                        self.limits.pack_cells), *self._pack_rules]
+            for s, cap in zip(shards, caps, strict=True)
+        ]
         out = Packed()
         for shard, reply in zip(shards, _checked(await self.store.run_many(_PACK, calls)), strict=True):
             out.left[shard] = int(reply[3])
@@ -242,22 +255,34 @@ class ReplicationStore:
         regions = [b"%d" % len(self._regions), *self._regions]
         mode = b"repair" if repair else b"delta"
 
-        def calls(apply: bytes) -> list[list[bytes]]:
+        def calls(apply: bytes, bodies: Sequence[Blob]) -> list[list[bytes]]:
             head = [self._clock_arg(), self._region_b, self._nonce, apply, mode, b"%d" % lim.blob_cells,
                     b"%d" % lim.new_slots, b"%d" % lim.max_slots, *regions, *rule_args, *relay]
-            return [[b"1", self._registry(shard), *head, blob] for shard, blob in blobs]
+            return [[b"1", self._registry(shard), *head, blob] for shard, blob in bodies]
 
-        for shard, _ in blobs:
+        checks: list[Blob] = []
+        for shard, blob in blobs:
             if not 0 <= shard < self.layout.shards:
                 raise ProtocolError(f"blob for shard {shard}, but this region has {self.layout.shards} shards")
-        for (shard, _), reply in zip(blobs, _checked(await self.store.run_many(_MERGE, calls(b"0"))), strict=True):
+            try:
+                vetted = vet_blob(blob, self._allowed, lim.blob_cells, lim.max_slots)
+            except ProtocolError as exc:
+                raise ProtocolError(f"refused cells for shard {shard}: {exc}") from None
+            # What needs Redis state is checked there before anything is written: the
+            # registry (merge.lua needs only the slot list for that) and, for a blob
+            # with this region's slots, claims on its own current slot (every cell).
+            own = self._region_b in vetted.regions
+            checks.append((shard, blob if own else msgpack.packb([vetted.slots], use_bin_type=False)))
+        for (shard, _), reply in zip(checks, _checked(await self.store.run_many(_MERGE, calls(b"0", checks))),
+                                     strict=True):
             if int(reply[0]) != 1:
                 raise ProtocolError(f"refused cells for shard {shard}: {reply[1].decode(errors='replace')}")
         if admit is not None:
             await admit()
         out = MergeResult()
         # b"2": the blobs the b"0" calls accepted, so merge.lua skips the per-cell type checks.
-        for (shard, _), reply in zip(blobs, _checked(await self.store.run_many(_MERGE, calls(b"2"))), strict=True):
+        for (shard, _), reply in zip(blobs, _checked(await self.store.run_many(_MERGE, calls(b"2", blobs))),
+                                     strict=True):
             if int(reply[0]) != 1:  # only a change since the checks (registry, own slot) can refuse now
                 raise ProtocolError(f"refused cells for shard {shard}: {reply[1].decode(errors='replace')}")
             out.add(reply)

@@ -14,7 +14,7 @@ from typing import Protocol
 import aiohttp
 from multidict import CIMultiDict
 
-from geolimit.errors import GeolimitError, ProtocolError
+from geolimit.errors import PeerRefused, ProtocolError, TransportError
 from geolimit.replication import wire
 from geolimit.replication.auth import SEQ, Signer, Verifier
 
@@ -40,19 +40,6 @@ async def read_limited(stream: aiohttp.StreamReader, limit: int) -> bytes | None
         if size > limit:
             return None
         chunks.append(chunk)
-
-
-class TransportError(GeolimitError):
-    """A peer could not be reached or refused a message."""
-
-
-class PeerRefused(TransportError):
-    """The peer received the message and refused its content (HTTP 400): sending
-    the same message again would be refused again."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class Transport(Protocol):

@@ -91,6 +91,26 @@ def _str(value: object, what: str, limit: int = 256, empty: bool = False) -> str
 
 def decode(body: bytes, max_blob_bytes: int = 1 << 24) -> Message:
     """Parse and validate a message envelope; any defect raises :class:`ProtocolError`."""
+    raw = _unpack(body, max_blob_bytes)
+    kind = raw.get("t")
+    if kind not in KINDS:
+        raise _fail(f"unknown kind {str(kind)[:40]!r}")
+    return Message(
+        kind=kind,
+        sender=_str(raw.get("from"), "from", 64),
+        dest=_str(raw.get("to", ""), "to", 64, empty=True),
+        now_us=_uint(raw.get("now", 0), "now"),
+        reach=_reach(raw.get("reach", {})),
+        failing=_failing(raw.get("failing", [])),
+        rules=_rules(raw.get("rules", [])),
+        shards=_uint(raw.get("shards", 0), "shards"),
+        blobs=_blobs(raw.get("blobs", [])),
+        ae=_ae(raw.get("ae", {})),
+    )
+
+
+def _unpack(body: bytes, max_blob_bytes: int) -> dict[Any, Any]:
+    """The body as a map of this protocol version, each msgpack object within size limits."""
     try:
         raw = msgpack.unpackb(
             body,
@@ -108,48 +128,57 @@ def decode(body: bytes, max_blob_bytes: int = 1 << 24) -> Message:
         raise _fail("the body must be a map")
     if raw.get("v") != VERSION:
         raise _fail(f"unsupported protocol version {str(raw.get('v'))[:20]!r} (this agent speaks {VERSION})")
-    kind = raw.get("t")
-    if kind not in KINDS:
-        raise _fail(f"unknown kind {str(kind)[:40]!r}")
-    message = Message(
-        kind=kind,
-        sender=_str(raw.get("from"), "from", 64),
-        dest=_str(raw.get("to", ""), "to", 64, empty=True),
-        now_us=_uint(raw.get("now", 0), "now"),
-        shards=_uint(raw.get("shards", 0), "shards"),
-    )
-    reach = raw.get("reach", {})
-    if not isinstance(reach, Mapping) or len(reach) > 256:
+    return raw
+
+
+def _reach(value: object) -> dict[str, float]:
+    if not isinstance(value, Mapping) or len(value) > 256:
         raise _fail("reach must be a map of at most 256 peers")
-    for peer, age in reach.items():
+    reach: dict[str, float] = {}
+    for peer, age in value.items():
         if type(age) not in (int, float) or not 0 <= age < 1e12:
             raise _fail("reach ages must be non-negative numbers")
-        message.reach[_str(peer, "reach peer", 64)] = float(age)
-    failing = _list(raw.get("failing", []), "failing")
+        reach[_str(peer, "reach peer", 64)] = float(age)
+    return reach
+
+
+def _failing(value: object) -> list[str]:
+    failing = _list(value, "failing")
     if len(failing) > 256:
         raise _fail("more than 256 failing peers")
-    message.failing = [_str(p, "failing peer", 64) for p in failing]
-    rules = _list(raw.get("rules", []), "rules")
-    if len(rules) > 1024:
+    return [_str(p, "failing peer", 64) for p in failing]
+
+
+def _rules(value: object) -> dict[str, tuple[int, int]]:
+    entries = _list(value, "rules")
+    if len(entries) > 1024:
         raise _fail("more than 1024 rules")
-    for item in rules:
+    rules: dict[str, tuple[int, int]] = {}
+    for item in entries:
         entry = _list(item, "rule entry")
         if len(entry) != 3:
             raise _fail("a rule entry is [name, window_us, resolution_us]")
-        message.rules[_str(entry[0], "rule name", 64)] = (_uint(entry[1], "rule window"), _uint(entry[2], "rule resolution"))
-    blobs = _list(raw.get("blobs", []), "blobs")
-    if len(blobs) > MAX_BLOBS:
+        rules[_str(entry[0], "rule name", 64)] = (_uint(entry[1], "rule window"), _uint(entry[2], "rule resolution"))
+    return rules
+
+
+def _blobs(value: object) -> list[Blob]:
+    entries = _list(value, "blobs")
+    if len(entries) > MAX_BLOBS:
         raise _fail(f"more than {MAX_BLOBS} blobs")
-    for item in blobs:
+    blobs: list[Blob] = []
+    for item in entries:
         entry = _list(item, "blob entry")
         if len(entry) != 2 or type(entry[1]) is not bytes:
             raise _fail("a blob entry is [shard, bytes]")
-        message.blobs.append((_uint(entry[0], "blob shard"), entry[1]))
-    ae = raw.get("ae", {})
-    if not isinstance(ae, dict) or not all(type(k) is str for k in ae):
+        blobs.append((_uint(entry[0], "blob shard"), entry[1]))
+    return blobs
+
+
+def _ae(value: object) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(type(k) is str for k in value):
         raise _fail("ae must be a map with string keys")
-    message.ae = ae
-    return message
+    return value
 
 
 def _list(value: object, what: str) -> Sequence[Any]:

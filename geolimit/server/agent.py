@@ -19,7 +19,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -37,6 +37,9 @@ from geolimit.server.config import AgentConfig
 from geolimit.server.gossip_http import add_gossip_routes
 from geolimit.server.metrics import AgentMetrics
 from geolimit.server.workers import WorkerSigner, owned_shards
+
+if TYPE_CHECKING:
+    from geolimit.server.rls.server import RlsServer
 
 __all__ = ["Agent"]
 
@@ -80,6 +83,8 @@ class Agent:
         self._redis_ok = False
         self._last_redis_error: str | None = None
         self._started = self._listening = False
+        self.rls: RlsServer | None = None  # the Envoy rate limit service, when rls_listen is set
+        self._rls_address: tuple[str, int] | None = None
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -137,13 +142,25 @@ class Agent:
                 await site.start()
                 sock = site._server.sockets[0]  # type: ignore[union-attr]
                 self._addresses.append(sock.getsockname()[:2])
+            if cfg.rls_listen is not None:
+                await self._start_rls(cfg.rls_listen)
         except OSError as exc:
             await self._close()
             raise GeolimitError(f"agent {cfg.region}: cannot listen: {exc}") from exc
+        except GeolimitError:
+            await self._close()
+            raise
         self._listening = True
         log.info("agent %s listening on %s (peers: %s)%s", cfg.region, self.url,
                  ", ".join(p.name for p in cfg.peers) or "none",
                  f" as worker {self.worker_index} of {cfg.workers}" if cfg.workers > 1 else "")
+
+    async def _start_rls(self, address: tuple[str, int]) -> None:
+        from geolimit.server.rls.server import RlsServer  # grpcio and xds-protos: the rls extra
+
+        if self.rls is None:  # once per agent: it owns metrics in the agent's registry
+            self.rls = RlsServer(self, micros_source(self._decision_clock) or (lambda: None))
+        self._rls_address = await self.rls.start(address, reuse_port=self.config.workers > 1)
 
     async def start(self) -> None:
         """Listen (if not yet) and start the gossip loop."""
@@ -156,6 +173,8 @@ class Agent:
 
     async def stop(self, flush_timeout: float = 2.0) -> bool:
         """Graceful stop; returns True if every outbox was delivered before the deadline."""
+        if self.rls is not None:
+            await self.rls.stop()
         for runner in self._runners:
             for site in list(runner.sites):
                 await site.stop()
@@ -193,6 +212,8 @@ class Agent:
             await cancel_and_wait(task)
 
     async def _close(self) -> None:
+        if self.rls is not None:
+            await self.rls.stop(None)
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
@@ -275,6 +296,7 @@ class Agent:
                 ("listen", old.listen, config.listen), ("api_listen", old.api_listen, config.api_listen),
                 ("peers", old.peers, config.peers), ("secret", old.secret, config.secret),
                 ("redis_url", old.redis_url, config.redis_url), ("gossip interval", old.interval, config.interval),
+                ("rls_listen", old.rls_listen, config.rls_listen),
             ) if a != b
         ]
         if restart:
@@ -285,7 +307,7 @@ class Agent:
         summary += [f"~{n}" for n in after if n in before and after[n] != before[n]]
         self.config = replace(config, listen=old.listen, api_listen=old.api_listen, peers=old.peers,
                               secret=old.secret, redis_url=old.redis_url, interval=old.interval,
-                              workers=old.workers)
+                              workers=old.workers, rls_listen=old.rls_listen)
         return " ".join(summary)
 
     # -- introspection --------------------------------------------------------
@@ -302,6 +324,13 @@ class Agent:
             return self.url
         host, port = self._addresses[1]
         return f"http://{host}:{port}"
+
+    @property
+    def rls_address(self) -> tuple[str, int]:
+        """Where the Envoy rate limit service listens (``[region] rls_listen``)."""
+        if self._rls_address is None:
+            raise GeolimitError("the rate limit service is not listening (set [region] rls_listen)")
+        return self._rls_address
 
     def require_limiter(self) -> AsyncLimiter:
         if self.limiter is None:

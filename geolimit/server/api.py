@@ -35,7 +35,7 @@ from aiohttp import web
 
 from geolimit.core.decision import Decision
 from geolimit.core.keys import MAX_SUBJECT_BYTES
-from geolimit.errors import GeolimitError, RequestError, StorageError, UnknownRuleError
+from geolimit.errors import BadRequest, GeolimitError, RequestError, StorageError, UnknownRuleError
 from geolimit.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from geolimit.store.protocol import MAX_COST
 
@@ -53,15 +53,6 @@ _FIELDS = frozenset({"rule", "rules", "subject", "subject_b64", "cost"})
 _USAGE_PARAMS = frozenset({"rule", "subject", "subject_b64"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class BadRequest(Exception):
-    """A request the API refuses: ``status`` (400, 401, 404, 413) and the offending field."""
-
-    def __init__(self, message: str, field: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.field = field
-        self.status = status
 
 
 @dataclass(frozen=True)

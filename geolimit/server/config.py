@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from geolimit.core.rule import Rule, parse_duration, parse_rate
+from geolimit.core.rule import Rule, parse_duration, parse_rates
 from geolimit.errors import ConfigError, GeolimitError
 from geolimit.limiter_base import validate_region
 from geolimit.replication.auth import MIN_SECRET_BYTES
+from geolimit.server.rls.descriptors import RlsConfig
 from geolimit.store.connect import split_cluster_url
 
 if sys.version_info >= (3, 11):
@@ -44,13 +45,13 @@ else:  # pragma: no cover
 
 __all__ = [
     "AgentConfig", "PeerConfig", "TLSConfig", "check_keys", "get_table", "load_config", "load_toml",
-    "parse_config", "parse_listen", "parse_positive_int", "parse_rules", "parse_seconds", "read_secret",
+    "parse_config", "parse_listen", "parse_positive_int", "parse_rule_groups", "parse_rules", "parse_seconds", "read_secret",
     "require", "resolve_path", "with_workers",
 ]
 
 _SECTIONS = {
     "region": {"name", "redis_url", "listen", "secret_file", "key_prefix", "shards", "on_error", "api_listen", "api_token_file",
-               "redis_timeout", "workers"},
+               "redis_timeout", "workers", "rls_listen", "rls_config"},
     "gossip": {"interval", "peers", "anti_entropy_interval", "max_message_bytes", "max_backoff", "timeout",
                "outbox_limit", "auth_window", "tls"},
     "log": {"format", "level"},
@@ -116,6 +117,8 @@ class AgentConfig:
     api_token: str | None = field(default=None, repr=False)
     tls: TLSConfig | None = None
     workers: int = 1  # agent worker processes of this region (geolimit/server/workers.py)
+    rls_listen: tuple[str, int] | None = None  # Envoy rate limit service (gRPC); None: off
+    rls: RlsConfig | None = field(default=None, repr=False)  # its domains (their rules are in ``rules``)
     log_format: str = "text"
     log_level: str = "INFO"
     path: Path | None = None
@@ -178,9 +181,9 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
         raise ConfigError(f"{src}: region.redis_url: {exc}") from None
     listen = parse_listen(require(region, "listen", str, src, "region.listen"), f"{src}: region.listen")
     peers = parse_peers(gossip, src, name)
-    if "rule" not in data:
+    if "rule" not in data and "rls_config" not in region:
         raise ConfigError(f"{src}: missing key rule: define at least one [[rule]] table (name, limit)")
-    rules = parse_rules(data["rule"], src)
+    rules = parse_rules(data.get("rule", []), src)
     if "interval" in gossip:
         opts["interval"] = parse_seconds(gossip["interval"], src, "gossip.interval")
     for key in ("anti_entropy_interval", "max_backoff", "timeout", "auth_window"):
@@ -226,6 +229,10 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
         if level not in _LOG_LEVELS:
             raise ConfigError(f"{src}: log.level must be one of {', '.join(_LOG_LEVELS)} (any case), got {level!r}")
         opts["log_level"] = level
+    if "rls_listen" in region or "rls_config" in region:
+        rls_listen, rls = _parse_rls(region, src, base, rules)
+        opts.update(rls_listen=rls_listen, rls=rls)
+        rules += rls.rules
     config = AgentConfig(
         region=name,
         redis_url=redis_url,
@@ -251,11 +258,42 @@ def with_workers(config: AgentConfig, workers: object, where: str = "--workers")
         raise ConfigError(f"{where} = {workers} exceeds region.shards = {config.shards}: every worker owns "
                           f"at least one shard")
     if workers > 1:
-        for key, address in (("region.listen", config.listen), ("region.api_listen", config.api_listen)):
+        for key, address in (("region.listen", config.listen), ("region.api_listen", config.api_listen),
+                             ("region.rls_listen", config.rls_listen)):
             if address is not None and address[1] == 0:
                 raise ConfigError(f"{where} = {workers} needs a fixed port in {key}: the workers share it "
                                   f"(SO_REUSEPORT), and with port 0 each would get a port of its own")
     return replace(config, workers=workers)
+
+
+def _parse_rls(region: Mapping[str, Any], src: str, base: Path,
+               rules: tuple[Rule, ...]) -> tuple[tuple[str, int], RlsConfig]:
+    """``region.rls_listen`` (``"host:port"``, or a bare port on 127.0.0.1) and the ``region.rls_config`` files."""
+    for key, other in (("rls_listen", "rls_config"), ("rls_config", "rls_listen")):
+        if key not in region:
+            raise ConfigError(f"{src}: region.{other} needs region.{key} (the Envoy rate limit service "
+                              f"takes both: where to listen and the descriptor file)")
+    raw = region["rls_listen"]
+    if isinstance(raw, str) and raw.isascii() and raw.isdigit():
+        raw = int(raw)
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        if not 0 <= raw <= 65535:
+            raise ConfigError(f"{src}: region.rls_listen: a port from 0 to 65535, got {raw}")
+        listen: tuple[str, int] = ("127.0.0.1", raw)
+    else:
+        listen = parse_listen(raw, f"{src}: region.rls_listen")
+    files = region["rls_config"]
+    names = [files] if isinstance(files, str) else files
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{src}: region.rls_config must be a file or directory name, or a list of them, "
+                          f"such as 'ratelimit.yaml'; got {files!r}")
+    from geolimit.server.rls.loading import load_rls
+
+    try:
+        rls = load_rls([resolve_path(base, n) for n in names], [r.name for r in rules])
+    except ConfigError as exc:
+        raise ConfigError(f"{src}: region.rls_config: {exc}") from None
+    return listen, rls
 
 
 def check_keys(table: Mapping[str, Any], allowed: set[str], src: str, where: str) -> None:
@@ -365,8 +403,19 @@ def parse_peers(gossip: Mapping[str, Any], src: str, own: str) -> tuple[PeerConf
 
 
 def parse_rules(raw: object, src: str) -> tuple[Rule, ...]:
+    """The rules of the ``[[rule]]`` tables; a table whose limit holds several rates gives several."""
+    return tuple(rule for group in parse_rule_groups(raw, src).values() for rule in group)
+
+
+def parse_rule_groups(raw: object, src: str) -> dict[str, tuple[Rule, ...]]:
+    """The rules of each ``[[rule]]`` table, by the table's name.
+
+    ``limit = "10/hour;5/minute"`` in table ``api`` gives the rules ``api.1h`` and
+    ``api.1m`` (see :meth:`~geolimit.Rule.parse_many`); one rate keeps the name.
+    """
     if not isinstance(raw, list):
         raise ConfigError(f"{src}: rules are [[rule]] tables")
+    groups: dict[str, tuple[Rule, ...]] = {}
     rules: list[Rule] = []
     for i, item in enumerate(raw):
         where = f"rule[{i}]"
@@ -383,11 +432,11 @@ def parse_rules(raw: object, src: str) -> tuple[Rule, ...]:
             if isinstance(limit, str):
                 if "window" in item:
                     raise ConfigError(f"window is given twice: in limit {limit!r} and as window")
-                count, window = parse_rate(limit)
+                rates = parse_rates(limit)
             elif isinstance(limit, int) and not isinstance(limit, bool):
                 if "window" not in item:
                     raise ConfigError("limit is a number, so window (seconds or '10s') is required")
-                count, window = limit, parse_seconds(item["window"], src, f"{where}.window")
+                rates = [(limit, parse_seconds(item["window"], src, f"{where}.window"))]
             else:
                 raise ConfigError(f"limit must be a rate string such as '1000/10s' or a number, got {limit!r}")
             resolution = item.get("resolution")
@@ -403,13 +452,18 @@ def parse_rules(raw: object, src: str) -> tuple[Rule, ...]:
                 options["partition"] = item["partition"]
             if "partition_after" in item:
                 options["partition_after"] = parse_seconds(item["partition_after"], src, f"{where}.partition_after")
-            rule = Rule(name, count, window, resolution, mode, **options)
+            if len(rates) > 1:
+                new = Rule.parse_many(name, limit, resolution, mode, **options)
+            else:
+                new = [Rule(name, rates[0][0], rates[0][1], resolution, mode, **options)]
         except GeolimitError as exc:
             raise ConfigError(f"{src}: {where}: {exc}") from None
-        if any(r.name == rule.name for r in rules):
-            raise ConfigError(f"{src}: {where}: duplicate rule name")
-        rules.append(rule)
-    return tuple(rules)
+        for rule in new:
+            if name in groups or any(r.name == rule.name for r in rules):
+                raise ConfigError(f"{src}: {where}: duplicate rule name {name if name in groups else rule.name!r}")
+            rules.append(rule)
+        groups[name] = tuple(new)
+    return groups
 
 
 def parse_tls(raw: object, src: str, base: Path) -> TLSConfig:

@@ -31,6 +31,7 @@ class _EngineCollector(Collector):
         age = GaugeMetricFamily("geolimit_peer_contact_age_seconds", "Seconds since the last acknowledged exchange with a peer (-1: never)", labels=["peer"])
         outbox = GaugeMetricFamily("geolimit_outbox_cells", "Keys queued in Redis for a peer (their changed cells wait for its acknowledgement)", labels=["peer"])
         lag = GaugeMetricFamily("geolimit_peer_lag_seconds", "Age of the oldest unacknowledged change for a peer", labels=["peer"])
+        rtt = GaugeMetricFamily("geolimit_peer_rtt_seconds", "Smoothed round trip of a gossip message to a peer, its merge included (0: none yet)", labels=["peer"])
         sent = CounterMetricFamily("geolimit_gossip_cells_sent", "Cells acknowledged by a peer", labels=["peer"])
         received = CounterMetricFamily("geolimit_gossip_cells_received", "Cells received from a peer", labels=["peer"])
         errors = CounterMetricFamily("geolimit_peer_errors", "Failed exchanges with a peer", labels=["peer"])
@@ -39,11 +40,12 @@ class _EngineCollector(Collector):
             age.add_metric([peer.name], -1.0 if peer.last_ok is None else now - peer.last_ok)
             outbox.add_metric([peer.name], peer.queued)
             lag.add_metric([peer.name], 0.0 if peer.oldest_us is None else max(0.0, now - peer.oldest_us / 1e6))
+            rtt.add_metric([peer.name], peer.rtt)
             sent.add_metric([peer.name], peer.cells_sent)
             received.add_metric([peer.name], peer.cells_received)
             errors.add_metric([peer.name], peer.errors)
             ae.add_metric([peer.name], peer.ae_ok)
-        yield from (age, outbox, lag, sent, received, errors, ae)
+        yield from (age, outbox, lag, rtt, sent, received, errors, ae)
         stats = engine.stats
         yield CounterMetricFamily("geolimit_gossip_rounds", "Gossip rounds run", value=stats["rounds"])
         yield CounterMetricFamily("geolimit_gossip_cells_drained", "Changed local keys queued for the peers", value=stats["drained"])
@@ -72,10 +74,6 @@ class AgentMetrics:
         )
         self.round_seconds = Histogram(
             "geolimit_gossip_round_seconds", "Duration of a gossip round (drain, queue, start sends)",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=self.registry,
-        )
-        self.send_seconds = Histogram(
-            "geolimit_gossip_send_seconds", "Round trip of one gossip message, peer merge included",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=self.registry,
         )
         self.rejected = Counter("geolimit_gossip_rejected", "Gossip requests refused, by reason", ["reason"], registry=self.registry)

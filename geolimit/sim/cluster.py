@@ -1,7 +1,7 @@
 """A simulated multi-region deployment: real Redis and Lua, virtual time.
 
-Each region has its own Redis database (one redis-server, one DB per region),
-its own clock (the shared virtual clock, optionally skewed), a real
+Each region has its own Redis database (one redis-server, one DB per region;
+on a Redis Cluster, ``redis+cluster://``, its own key prefix instead), its own clock (the shared virtual clock, optionally skewed), a real
 :class:`~geolimit.AsyncLimiter` for decisions, and a real
 :class:`~geolimit.replication.gossip.GossipEngine` talking over a
 :class:`~geolimit.sim.network.SimNetwork`. Gossip rounds run every interval, at a
@@ -27,6 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.core.clock import ManualClock
 from geolimit.core.decision import Decision
+from geolimit.core.keys import glob_escape
 from geolimit.core.rule import Rule
 from geolimit.errors import StorageError
 from geolimit.replication.gossip import EngineSettings, GossipEngine
@@ -42,7 +43,7 @@ log = logging.getLogger("geolimit.sim")
 @dataclass
 class SimRegion:
     name: str
-    db: int
+    db: int  # the region's database, or on a cluster the number in its key prefix
     clock: SkewedClock
     limiter: AsyncLimiter
     store: ReplicationStore
@@ -67,10 +68,13 @@ class SimCluster:
         replicate: bool = True,
         seed: int = 1,
         settings: dict[str, Any] | None = None,
+        shards: int = 64,
     ) -> None:
-        if len(regions) > 16:
+        self.clustered = urlsplit(redis_url).scheme.endswith("+cluster")
+        if len(regions) > 16 and not self.clustered:
             raise ValueError("at most 16 simulated regions (one Redis database each)")
         self.redis_url = redis_url
+        self.shards = shards
         self.names = list(regions)
         self.rules = tuple(rules)
         self.interval = interval
@@ -82,17 +86,31 @@ class SimCluster:
         self.skew = dict(skew or {})
         self.settings = EngineSettings(interval=interval, **(settings or {}))
         self.regions: dict[str, SimRegion] = {}
-        self._ticking: set[str] = set()
 
-    def _url(self, db: int) -> str:
-        parts = urlsplit(self.redis_url)
-        return urlunsplit(parts._replace(path=f"/{db}"))
+    def _limiter(self, name: str, db: int, clock: SkewedClock) -> AsyncLimiter:
+        if self.clustered:
+            url, prefix = self.redis_url, f"sim{db}"
+        else:
+            url, prefix = urlunsplit(urlsplit(self.redis_url)._replace(path=f"/{db}")), "gl"
+        return AsyncLimiter.from_url(url, region=name, rules=self.rules, clock=clock, prefix=prefix, shards=self.shards)
+
+    async def _clear(self, limiter: AsyncLimiter) -> None:
+        """Delete all of a region's data: its database, or on a cluster its prefix's keys."""
+        client = limiter.store.client()
+        if not self.clustered:
+            await client.flushdb()
+            return
+        prefix = glob_escape(limiter.layout.prefix.encode())
+        for pattern in (prefix + b":*", prefix + b"#*"):
+            keys = [key async for key in client.scan_iter(match=pattern, count=1000)]
+            for key in keys:
+                await client.delete(key)
 
     async def __aenter__(self) -> SimCluster:
         for db, name in enumerate(self.names):
             clock = SkewedClock(self.clock, self.skew.get(name, 0.0))
-            limiter = AsyncLimiter.from_url(self._url(db), region=name, rules=self.rules, clock=clock)
-            await limiter.store.client().flushdb()
+            limiter = self._limiter(name, db, clock)
+            await self._clear(limiter)
             self.regions[name] = self._region(name, db, clock, limiter)
         self.scheduler.watch(self._tasks)
         for i, name in enumerate(self.names):
@@ -151,7 +169,7 @@ class SimCluster:
 
     async def wipe(self, region: str) -> None:
         """The region's Redis loses all its data (restart without persistence)."""
-        await self.regions[region].limiter.store.client().flushdb()
+        await self._clear(self.regions[region].limiter)
 
     async def restart_agent(self, region: str) -> None:
         """The region's agent crashes and restarts: its memory (peer state) is gone; the

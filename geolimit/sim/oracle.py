@@ -6,14 +6,22 @@ measures what a perfect global limiter would have done with the same history:
 * **over-admission**: the most cost admitted in any true window ``[t - W, t]``,
   minus the limit (max, and the mean over windows sampled every 100 ms);
 * **under-use**: over the sampled windows where demand reached the limit, how far
-  admissions stayed below it (mean, as a fraction of the limit);
+  admissions stayed below it (mean, as a fraction of the limit); not measurable
+  (NaN) when no sampled window saw that much demand;
 * **wrong decisions**: a request was *wrongly allowed* if, counting what had
-  really been admitted in its window, it did not fit; *wrongly denied* if it did.
+  really been admitted in its window, it did not fit. A denial was *wrong* only
+  if admitting it would have kept every true window containing it within the
+  limit: the window ending at the request and every later window that still
+  holds it (those ending up to ``W`` after it), with everything that was really
+  admitted. A denial that merely saw the window one unit short is not wrong when
+  later admissions filled that unit.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -35,13 +43,18 @@ class Accuracy:
     max_over: int  # units over the limit in the worst true window
     max_over_pct: float
     mean_over_pct: float
-    under_use_pct: float
+    under_use_pct: float  # NaN when no sampled window had demand >= limit
     wrongly_allowed_pct: float
     wrongly_denied_pct: float
     admitted_by_region: dict[str, int]
+    windows: int = 0  # sampled windows (every step_us, the first ending one window after the start)
+    saturated_windows: int = 0  # sampled windows whose demand reached the limit (under-use is measured on them)
+    denied: int = 0
+    wrongly_denied: int = 0
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        """The figures, JSON-ready (a figure that could not be measured is ``None``)."""
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
 
 
 def measure(
@@ -77,13 +90,31 @@ def measure(
         if demanded_in(t - window_us + 1, t) >= limit:
             under.append(max(0, limit - got) / limit)
         t += step_us
-    wrong_allowed = wrong_denied = 0
+    # Every admission's own window count (the window ending at it): the windows whose
+    # count can change, so the fullest window ending in [t, t + W] ends at t or at one of them.
+    at_admission = [admitted_in(a - window_us, a) for a in times]
+    wrong_allowed = wrong_denied = denied = 0
+    ahead: deque[int] = deque()  # indices into times, their window counts decreasing
+    nxt = 0
     for r in ordered:
-        before = admitted_in(r.time_us - window_us, r.time_us) - (r.cost if r.allowed else 0)
-        fits = before + r.cost <= limit
-        if r.allowed and not fits:
-            wrong_allowed += 1
-        elif not r.allowed and fits:
+        if r.allowed:
+            before = admitted_in(r.time_us - window_us, r.time_us) - r.cost
+            if before + r.cost > limit:
+                wrong_allowed += 1
+            continue
+        denied += 1
+        while ahead and times[ahead[0]] < r.time_us:
+            ahead.popleft()
+        while nxt < len(times) and times[nxt] <= r.time_us + window_us:
+            if times[nxt] >= r.time_us:
+                while ahead and at_admission[ahead[-1]] <= at_admission[nxt]:
+                    ahead.pop()
+                ahead.append(nxt)
+            nxt += 1
+        fullest = admitted_in(r.time_us - window_us, r.time_us)
+        if ahead:
+            fullest = max(fullest, at_admission[ahead[0]])
+        if fullest + r.cost <= limit:
             wrong_denied += 1
     by_region: dict[str, int] = {}
     for r in ordered:
@@ -96,8 +127,12 @@ def measure(
         max_over=max(0, worst),
         max_over_pct=100.0 * max(0, worst) / limit,
         mean_over_pct=100.0 * sum(over) / max(1, len(over)),
-        under_use_pct=100.0 * sum(under) / max(1, len(under)),
+        under_use_pct=100.0 * sum(under) / len(under) if under else math.nan,
         wrongly_allowed_pct=100.0 * wrong_allowed / n,
         wrongly_denied_pct=100.0 * wrong_denied / n,
         admitted_by_region=by_region,
+        windows=len(over),
+        saturated_windows=len(under),
+        denied=denied,
+        wrongly_denied=wrong_denied,
     )

@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from geolimit.core.gcounter import Cell, effective, join, join_cell, parse_slot_id, slot_id
+from geolimit.core.window import SUBSTEPS
 
 cells = st.builds(Cell, st.integers(0, 50), st.integers(0, 50))
 states = st.dictionaries(
@@ -36,8 +37,9 @@ def test_join_never_lowers_a_value_or_floor(a: Cell, b: Cell) -> None:
 
 
 def test_effective_count_subtracts_the_floor_and_never_goes_negative() -> None:
-    # stored values are count * 64 + first-admission offset
-    cells = {"a/1": Cell(10 * 64 + 5, 4 * 64 + 5), "b/1": Cell(3 * 64, 5 * 64), "c/1": Cell(7 * 64 + 63)}
+    # stored values are count * SUBSTEPS + first-admission offset
+    s = SUBSTEPS
+    cells = {"a/1": Cell(10 * s + 5, 4 * s + 5), "b/1": Cell(3 * s, 5 * s), "c/1": Cell(7 * s + s - 1)}
     assert effective(cells) == 6 + 0 + 7
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from geolimit import ConfigError, Rule, parse_rate
-from geolimit.core.rule import parse_duration
-from geolimit.core.window import MAX_CELL_VALUE, MAX_COUNT, SUBSTEPS
+from geolimit.core.rule import MAX_CLOCK_SKEW, parse_duration
+from geolimit.core.window import MAX_CELL_VALUE, MAX_COUNT, SUBSTEPS, bucket_of, field_of, read_key
 
 
 def test_default_resolution_is_a_tenth_of_the_window() -> None:
@@ -91,11 +91,25 @@ def test_durations() -> None:
         parse_duration("5 parsecs")
 
 
-def test_ring_covers_window_and_clock_skew() -> None:
-    rule = Rule("api", 1000, 10, 1)
-    assert rule.future == 2  # 2 s of skew at 1 s buckets
-    assert rule.ring == rule.buckets + rule.future + 1
-    assert rule.ttl_ms >= (rule.window + (rule.future + 1) * 1.0) * 1000
+@pytest.mark.parametrize(("window", "resolution"), [(10, 1), (0.001, 0.001), (60, 0.25), (3600, 60), (3, 3), (7, 0.7)])
+def test_a_key_holds_the_window_and_cells_from_clocks_up_to_the_skew_ahead(window: float, resolution: float) -> None:
+    rule = Rule("api", 1000, window, resolution)
+    skew_us = round(MAX_CLOCK_SKEW * 1_000_000)
+    for now_us in (1_700_000_000_000_000, 1_700_000_000_000_000 + rule.resolution_us - 1):
+        current = bucket_of(now_us, rule.resolution_us)
+        ahead = bucket_of(now_us + skew_us, rule.resolution_us)  # written by a region whose clock runs ahead
+        # One unit in every bucket from the oldest counted one to the one furthest ahead.
+        live = range(current - rule.buckets, ahead + 1)
+        fields = {b"h": b"%d" % ahead} | {b"%d" % field_of(0, b, rule.ring): b"%d" % SUBSTEPS for b in live}
+        assert len(fields) == len(live) + 1, "two live buckets share a ring position"
+        view = read_key(fields, current, rule.buckets, rule.ring)
+        assert view.stale == []
+        assert view.sums == [1] * (rule.buckets + 1)
+        assert view.future == dict.fromkeys(range(current + 1, ahead + 1), 1)
+        # The key outlives its newest cell's time in the window: written now, the cell
+        # furthest ahead is counted until its bucket leaves the window.
+        leaves_us = (ahead + rule.buckets + 1) * rule.resolution_us
+        assert now_us + rule.ttl_ms * 1000 >= leaves_us
 
 
 def test_limit_changes_keep_the_structure() -> None:

@@ -108,7 +108,8 @@ def test_demo_exits_0_with_an_over_admission_summary(demo_run: Run) -> None:
     assert "over-admission" in out
     over = re.search(r"over-admission\s+max (\d+\.\d+)% .* mean (\d+\.\d+)%", out)
     assert over, out
-    assert re.search(r"under-use\s+\d+\.\d+%", out), out
+    # 8 s of traffic holds no whole 10 s window: the summary says so instead of printing 0%.
+    assert re.search(r"under-use\s+not measured \(no whole 10 s window", out), out
     admitted = re.search(r"requests\s+(\d+) offered, (\d+) admitted \((.*)\)", out)
     assert admitted, out
     offered, total = int(admitted.group(1)), int(admitted.group(2))

@@ -422,7 +422,7 @@ def test_grafana_dashboard_queries_only_metrics_that_exist() -> None:
     assert engine_families <= used
 
 
-def test_grafana_dashboard_has_the_panels_the_issue_asks_for() -> None:
+def test_grafana_dashboard_charts_decisions_denials_lag_outboxes_contact_rounds_rejections_and_rtt() -> None:
     exprs = panel_exprs()
     joined = {title: " ".join(e) for title, e in exprs.items()}
 
@@ -437,6 +437,7 @@ def test_grafana_dashboard_has_the_panels_the_issue_asks_for() -> None:
     assert panels_with("geolimit_peer_contact_age_seconds")
     assert panels_with("geolimit_gossip_round_seconds_bucket")
     assert panels_with("geolimit_gossip_rejected_total", "reason")
+    assert panels_with("geolimit_peer_rtt_seconds", "peer")
     data = dashboard()
     ids = [p["id"] for p in data["panels"]]
     assert len(ids) == len(set(ids))

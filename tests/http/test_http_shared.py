@@ -1,18 +1,13 @@
-"""Shared HTTP pieces: IETF RateLimit headers, client addresses, keys, costs, the guard."""
+"""Shared HTTP pieces: client addresses, keys, costs, the guard (headers: test_ratelimit_headers.py)."""
 
 from __future__ import annotations
 
-import json
-
-import http_sfv
 import pytest
 
 from geolimit import Rule
 from geolimit.async_limiter import AsyncLimiter
-from geolimit.core.decision import RuleDecision, combine
 from geolimit.errors import ConfigError
 from geolimit.http.guard import Guard, LimitSpec, RoutePolicy
-from geolimit.http.headers import problem_body, rate_limit_headers
 from geolimit.http.keys import (
     CostSpec,
     KeySpec,
@@ -21,38 +16,6 @@ from geolimit.http.keys import (
     client_address,
     trusted_networks,
 )
-
-
-def _rule_decision(rule: str, allowed: bool, remaining: int, retry: float, reset: float) -> RuleDecision:
-    return RuleDecision(rule, allowed, 10, remaining, retry, reset, 60.0)
-
-
-def test_ratelimit_headers_are_valid_structured_fields() -> None:
-    d = combine([_rule_decision("api", True, 7, 0.0, 12.2), _rule_decision('we"ird', True, 3, 0.0, 1.0)])
-    headers = dict(rate_limit_headers(d, legacy=True))
-    policy = http_sfv.List()
-    policy.parse(headers["RateLimit-Policy"].encode())
-    assert [(item.value, dict(item.params)) for item in policy] == [
-        ("api", {"q": 10, "w": 60}), ('we"ird', {"q": 10, "w": 60})]
-    current = http_sfv.List()
-    current.parse(headers["RateLimit"].encode())
-    assert [(item.value, item.params["r"], item.params["t"]) for item in current] == [("api", 7, 13), ('we"ird', 3, 1)]
-    assert "Retry-After" not in headers
-    assert headers["X-RateLimit-Remaining"] == "3"
-
-
-def test_denials_carry_retry_after_and_a_problem_document() -> None:
-    d = combine([_rule_decision("api", False, 0, 4.2, 9.0)])
-    headers = dict(rate_limit_headers(d))
-    assert headers["Retry-After"] == "5"
-    doc = json.loads(problem_body(d, "/search"))
-    assert doc["status"] == 429
-    assert doc["title"] == "Too Many Requests"
-    assert doc["retry_after"] == 4.2
-    assert doc["instance"] == "/search"
-    never = combine([_rule_decision("api", False, 0, float("inf"), 0.0)])
-    assert dict(rate_limit_headers(never))["Retry-After"] == "60"
-    assert json.loads(problem_body(never))["retry_after"] is None
 
 
 def _req(peer: str, **headers: str) -> RequestInfo:

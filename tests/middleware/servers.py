@@ -135,7 +135,7 @@ def check_allowed(headers: Mapping[str, str], rule: str, limit: int, window: int
     [(name, params)] = sf_list(headers["RateLimit"])
     assert name == rule
     assert params["r"] == remaining
-    assert 0 < params["t"] <= window + 1
+    assert 0 <= params["t"] <= window + 1, "seconds during which no more than r is available"
     assert "Retry-After" not in headers
 
 
@@ -148,8 +148,10 @@ def check_denied(status: int, headers: Mapping[str, str], body: Mapping[str, Any
     assert sf_list(headers["RateLimit-Policy"]) == [(rule, {"q": limit, "w": window})]
     [(name, params)] = sf_list(headers["RateLimit"])
     assert (name, params["r"]) == (rule, 0)
+    assert params["t"] <= int(headers["Retry-After"]), "Retry-After never ends before the effective window"
     assert body["status"] == 429
-    assert body["title"] == "Too Many Requests"
+    assert body["type"] == "https://iana.org/assignments/http-problem-types#quota-exceeded"
+    assert body["violated-policies"] == [rule]
     assert body["rule"] == rule
     assert body["limit"] == limit
     assert body["instance"] == path

@@ -184,13 +184,16 @@ def test_shadow_limits_count_but_never_deny(make_limiter: Callable[..., AsyncLim
     ) as http:
         first = http.get("/")
         assert first.status_code == 200
-        assert [name for name, _ in sf_list(first.headers["RateLimit"])] == ["api", "strict"]
+        assert [name for name, _ in sf_list(first.headers["RateLimit"])] == ["api"], "shadow limits never show"
         second = http.get("/")
         assert second.status_code == 200, "the shadow rule would deny, but only reports"
         check_allowed(second.headers, "api", 3, 10, 1)
+        assert second.headers["RateLimit-Policy"] == first.headers["RateLimit-Policy"]
         assert http.get("/").status_code == 200
         assert http.get("/").status_code == 429, "the enforced rule still denies"
-    assert app.guard.counters[("strict", "shadow_denied")] == 3  # limits after a denial are still decided
+    # A shadow limit counts the requests the enforced limits admit (as it would if it were enforced).
+    assert app.guard.counters[("strict", "allowed")] == 1
+    assert app.guard.counters[("strict", "shadow_denied")] == 2
     assert app.guard.counters[("api", "denied")] == 1
 
 
@@ -257,3 +260,18 @@ def test_lifespan_and_websockets_pass_through(make_limiter: Callable[..., AsyncL
             assert http.get("/").status_code == 200
             assert http.get("/").status_code == 429, "HTTP on the same path is limited"
     assert events == ["lifespan.startup", "lifespan.shutdown"]
+
+
+def test_policy_with_a_multi_rate_string_decides_all_or_nothing(make_limiter: Callable[..., AsyncLimiter]) -> None:
+    rules = Rule.parse_many("search", "3/hour;2/minute")
+    limiter = make_limiter(rules)
+    app = GeolimitMiddleware(raw_app, limiter, [policy("/*", rules)])
+    with uvicorn_serving(app, lifespan="off", on_exit=limiter.aclose) as url, httpx.Client(
+        base_url=url, trust_env=False
+    ) as http:
+        responses = [http.get("/") for _ in range(3)]
+        assert [r.status_code for r in responses] == [200, 200, 429]
+        assert [name for name, _ in sf_list(responses[0].headers["RateLimit-Policy"])] == ["search.1h", "search.1m"]
+        assert responses[2].json()["violated-policies"] == ["search.1m"]
+        [(_, hour), (_, minute)] = sf_list(responses[2].headers["RateLimit"])
+        assert (hour["r"], minute["r"]) == (1, 0), "the denied request consumed nothing of the hour"

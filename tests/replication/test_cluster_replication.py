@@ -21,6 +21,7 @@ import redis.cluster
 
 from geolimit import Rule
 from geolimit.core.keys import KeyLayout
+from geolimit.core.window import SUBSTEPS
 from geolimit.replication import wire
 from geolimit.replication.auth import Signer
 from geolimit.replication.redis_io import blobs_from_cells
@@ -173,7 +174,7 @@ async def test_a_signed_peer_message_is_merged_on_the_cluster_and_relayed(
         a = mesh["a"]
         bucket = int(time.time() * 1_000_000) // API.resolution_us
         slot = "b/1900000000000aa"  # an older incarnation of b: a slot no region writes any more
-        cells = [("api", s.encode(), bucket - (i % 3), slot, 64 * (i + 1), 0) for i, s in enumerate(SUBJECTS)]
+        cells = [("api", s.encode(), bucket - (i % 3), slot, SUBSTEPS * (i + 1), 0) for i, s in enumerate(SUBJECTS)]
         blobs = blobs_from_cells(KeyLayout("gl", SHARDS), cells)
         assert len({shard for shard, _ in blobs}) == SHARDS
         assert len(masters_of(cluster_client, a.layout, SUBJECTS, "api")) == 3
@@ -214,7 +215,7 @@ async def test_a_signed_peer_message_is_merged_on_the_cluster_and_relayed(
         subject = SUBJECTS[0]
         before = await a.usage("api", subject)
         evil = blobs_from_cells(KeyLayout("gl", SHARDS), [("api", subject.encode(), bucket, slot, 2**62, 0)])
-        good = blobs_from_cells(KeyLayout("gl", SHARDS), [("api", b"fresh", bucket, slot, 640, 0)])
+        good = blobs_from_cells(KeyLayout("gl", SHARDS), [("api", b"fresh", bucket, slot, 10 * SUBSTEPS, 0)])
         body = delta(good + evil)
         status, reply = await post(body, signer.headers(body, "a"))
         assert status == 400, reply
@@ -240,7 +241,7 @@ async def test_a_large_key_replicates_and_a_wiped_master_is_repaired(
         hour = now // HOURLY.resolution_us
         # Old incarnations of all three regions filled the last 3000 seconds (older slots
         # are what a peer may legitimately send); b learns them as if from c and relays them.
-        big = [("hourly", b"big", hour - 10 - d, f"{r}/1900000000000{r}{r}", 64 * (d % 50 + 1) + k, 0)
+        big = [("hourly", b"big", hour - 10 - d, f"{r}/1900000000000{r}{r}", SUBSTEPS * (d % 50 + 1) + k, 0)
                for d in range(3000) for k, r in enumerate("abc")]
         engine = b.agent.engine
         assert engine is not None

@@ -10,6 +10,7 @@ import pytest
 
 from geolimit import ManualClock, Rule
 from geolimit.core.keys import KeyLayout
+from geolimit.core.window import SUBSTEPS
 from geolimit.replication import wire
 from geolimit.replication.auth import SEQ, SIGNATURE, Signer
 from geolimit.replication.redis_io import blobs_from_cells
@@ -44,7 +45,7 @@ def _message(blobs: list[tuple[int, bytes]], sender: str = "a", **changes: objec
 
 def _delta(rs: Regions, cost: int = 5, sender: str = "a") -> bytes:
     bucket = rs.clock.now_us() // API.resolution_us  # type: ignore[union-attr]
-    cells = [("api", b"victim", bucket, f"{sender}/x1", cost * 64, 0)]  # count * 64 + first offset
+    cells = [("api", b"victim", bucket, f"{sender}/x1", cost * SUBSTEPS, 0)]  # count * SUBSTEPS + first offset
     return _message(blobs_from_cells(KeyLayout(), cells), sender)
 
 
@@ -157,10 +158,10 @@ def _malformed(rs: Regions) -> dict[str, bytes]:
             [(shard, msgpack.packb([["a/x1"], b"api:victim", [bucket + 0.5, 0, 5, 0]], use_bin_type=False))]),
         "ragged_cells": _message([(shard, msgpack.packb([["a/x1"], b"api:victim", [bucket, 0, 5]], use_bin_type=False))]),
         "value_2_62": cells((bucket, 0, 2**62, 0)),
-        "floor_2_62": cells((bucket, 0, 64, 2**62)),
+        "floor_2_62": cells((bucket, 0, SUBSTEPS, 2**62)),
         "unconfigured_region_slot": cells((bucket, 0, 5, 0), slots=("mallory/1",)),
-        "more_in_receivers_own_slot": cells((bucket, 0, 10**6 * 64, 0), slots=(own,)),
-        "floor_above_receivers_own_count": cells((bucket, 0, 0, 10**6 * 64), slots=(own,)),
+        "more_in_receivers_own_slot": cells((bucket, 0, 10**6 * SUBSTEPS, 0), slots=(own,)),
+        "floor_above_receivers_own_count": cells((bucket, 0, 0, 10**6 * SUBSTEPS), slots=(own,)),
         "duplicate_slot_ids": cells((bucket, 0, 5, 0), slots=("a/x1", "a/x1")),
         "too_many_new_slot_ids": cells((bucket, 0, 5, 0), slots=tuple(f"a/n{i}" for i in range(40))),
         "one_bad_blob_of_two": _message([

@@ -8,7 +8,9 @@ reused), then compares every live cell in Redis with the model's join
 (geolimit.core.gcounter). Two rules: merge.lua
 reads keys of the short one whole (HGETALL) and keys of the long one field by
 field (HMGET; its ring of 303 positions makes a key potentially large), so both
-ways of clearing the positions a moving head passes over are compared.
+ways of clearing the positions a moving head passes over are compared. It runs on
+the standalone server and on the 3-master cluster (``backend_url``): there the
+merge calls of a message go to every master and ``read_live`` scans them all.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ advances = st.lists(st.sampled_from([0, 0, 0, 1, 2, 5, 12, 13, 20, 150, 300, 310
 
 
 @pytest.fixture
-async def store(redis_url: str) -> AsyncIterator[ReplicationStore]:
-    limiter = AsyncLimiter.from_url(redis_url, region="r", rules=[RULE, LONG], clock=CLOCK)
+async def store(backend_url: str) -> AsyncIterator[ReplicationStore]:
+    limiter = AsyncLimiter.from_url(backend_url, region="r", rules=[RULE, LONG], clock=CLOCK)
     yield ReplicationStore(limiter.store, limiter.layout, "r", limiter.rules, b"n0", now_us=CLOCK.now_us, peers=PEERS)
     await limiter.aclose()
 

@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from geolimit import AsyncLimiter, ManualClock, Rule
+from geolimit.core.window import SUBSTEPS, count_of
 from geolimit.errors import ProtocolError
 from geolimit.replication.redis_io import MergeResult, ReplicationStore, blobs_from_cells
 from geolimit.replication.wire import Cell6
@@ -56,12 +57,12 @@ async def _lose_last_hits(limiter: AsyncLimiter, client: redis.Redis, subject: b
         await limiter.hit("api", subject)
     own = _own_slot(limiter, client, subject)
     fields = client.hgetall(key)
-    ahead = [("api", subject, BUCKET, own, int(v), 0) for f, v in fields.items() if f != b"h"]
+    ahead = [("api", subject, BUCKET, own, int(v), 0) for f, v in fields.items() if f not in (b"h", b"e")]
     assert len(ahead) == 1
-    assert ahead[0][4] // 64 == 5
+    assert count_of(ahead[0][4]) == 5
     client.restore(key, 0, snapshot, replace=True)  # the failover: the last 2 hits are gone here
     client.pexpire(key, API.ttl_ms)
-    return [*ahead, ("api", subject, BUCKET, "p1/a", 7 * 64, 0)]
+    return [*ahead, ("api", subject, BUCKET, "p1/a", 7 * SUBSTEPS, 0)]
 
 
 async def test_a_delta_claiming_more_in_the_own_slot_is_refused_and_writes_nothing(
@@ -81,7 +82,7 @@ async def test_repair_skips_the_own_slot_claims_and_merges_the_rest(
 ) -> None:
     limiter, store = region
     peer_copy = await _lose_last_hits(limiter, redis_client, b"u")
-    other = [("api", b"v", BUCKET, "p2/b", 4 * 64, 0)]  # another key, in the same or another blob
+    other = [("api", b"v", BUCKET, "p2/b", 4 * SUBSTEPS, 0)]  # another key, in the same or another blob
     result = await store.merge_blobs(blobs_from_cells(limiter.layout, peer_copy + other), "p1", repair=True)
     assert result.own_ahead == 1
     assert result.increased == 2  # p1's cell of u and p2's cell of v; nothing of the own slot
@@ -99,9 +100,9 @@ async def test_repair_skips_a_floor_above_the_own_count_and_a_claim_on_a_key_it_
     await store.drain()  # every shard gets its registry (and this region's slot)
     await limiter.hit("api", "u")
     cells: list[Cell6] = [
-        ("api", b"u", BUCKET, _own_slot(limiter, redis_client, b"u"), 64, 5 * 64),  # value echoed, floor above it
-        ("api", b"lost", BUCKET, _own_slot(limiter, redis_client, b"lost"), 2 * 64, 0),  # a key this Redis lacks
-        ("api", b"u", BUCKET, "p1/a", 3 * 64, 0),
+        ("api", b"u", BUCKET, _own_slot(limiter, redis_client, b"u"), SUBSTEPS, 5 * SUBSTEPS),  # value echoed, floor above it
+        ("api", b"lost", BUCKET, _own_slot(limiter, redis_client, b"lost"), 2 * SUBSTEPS, 0),  # a key this Redis lacks
+        ("api", b"u", BUCKET, "p1/a", 3 * SUBSTEPS, 0),
     ]
     before = dump_all(redis_client)
     with pytest.raises(ProtocolError):
@@ -121,8 +122,8 @@ async def test_an_echo_of_the_own_slot_is_accepted_in_both_modes(
         await limiter.hit("api", "u")
     own = _own_slot(limiter, redis_client, b"u")
     key = limiter.layout.data_key("api", b"u")
-    value = next(int(v) for f, v in redis_client.hgetall(key).items() if f != b"h")
-    echo: list[Cell6] = [("api", b"u", BUCKET, own, value, 0), ("api", b"u", BUCKET, own, value - 64, 0)]
+    value = next(int(v) for f, v in redis_client.hgetall(key).items() if f not in (b"h", b"e"))
+    echo: list[Cell6] = [("api", b"u", BUCKET, own, value, 0), ("api", b"u", BUCKET, own, value - SUBSTEPS, 0)]
     for repair in (False, True):
         result = await store.merge_blobs(blobs_from_cells(limiter.layout, echo), "p1", repair=repair)
         assert (result.own_ahead, result.increased) == (0, 0)
@@ -135,7 +136,7 @@ async def test_repair_still_refuses_what_no_peer_may_send(
     limiter, store = region
     await limiter.hit("api", "u")
     before = dump_all(redis_client)
-    for bad in ([("api", b"u", BUCKET, "p1/a", 2**62, 0)], [("api", b"u", BUCKET, "mallory/1", 64, 0)]):
+    for bad in ([("api", b"u", BUCKET, "p1/a", 2**62, 0)], [("api", b"u", BUCKET, "mallory/1", SUBSTEPS, 0)]):
         with pytest.raises(ProtocolError):
             await store.merge_blobs(blobs_from_cells(limiter.layout, bad), "p1", repair=True)
     assert dump_all(redis_client) == before

@@ -9,6 +9,7 @@ import pytest
 
 from geolimit import ManualClock, Rule
 from geolimit.core.keys import KeyLayout
+from geolimit.core.window import SUBSTEPS
 from geolimit.replication import wire
 from geolimit.replication.auth import Signer
 from geolimit.replication.redis_io import blobs_from_cells
@@ -21,7 +22,7 @@ API = Rule("api", 1000, 10, 1)  # 11 buckets counted (strict), a ring of 13 posi
 
 async def _merge(rs: Regions, cells: list[tuple[int, str, int]]) -> None:
     """POST (bucket, slot, count) cells for subject "s" to region b, signed as region a."""
-    six = [("api", b"s", bucket, slot, count * 64, 0) for bucket, slot, count in cells]
+    six = [("api", b"s", bucket, slot, count * SUBSTEPS, 0) for bucket, slot, count in cells]
     message = wire.Message(kind="delta", sender="a", dest="b", rules={"api": API.structure}, shards=64,
                            blobs=blobs_from_cells(KeyLayout(), six))
     body = wire.encode(message)

@@ -39,6 +39,7 @@ from geolimit import AsyncLimiter, ManualClock, Rule
 from geolimit.core.gcounter import Cell, join_cell
 from geolimit.core.keys import KeyLayout
 from geolimit.core.model import ModelStore
+from geolimit.core.window import SUBSTEPS
 from geolimit.replication.digest import live_range
 from geolimit.replication.redis_io import MAX_WINDOW, Limits, ReplicationStore, blobs_from_cells
 from geolimit.replication.wire import Blob
@@ -99,7 +100,7 @@ def fills(draw: st.DrawFn) -> tuple[Any, ...]:
     base, floored = draw(st.integers(1, 2**10)), draw(st.booleans())
     rule = RULES[rule_id]
     cells = [
-        (rule_id, subject, offset, slot, base + 64 * k, base if floored and k % 3 == 0 else 0)
+        (rule_id, subject, offset, slot, base + SUBSTEPS * k, base if floored and k % 3 == 0 else 0)
         for k, offset in enumerate(range(-rule.buckets - 1, rule.future + 2))
         for slot in slots
     ]

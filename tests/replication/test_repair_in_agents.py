@@ -17,6 +17,7 @@ from geolimit import ManualClock, Rule
 from geolimit.core.keys import KeyLayout
 from geolimit.replication import wire
 from geolimit.replication.auth import Signer
+from geolimit.replication.gossip_repair import periodic_wait
 from geolimit.server.agent import Agent
 from geolimit.store.embedded import EmbeddedRedis
 from tests.support.regions import Regions, dump_all
@@ -74,20 +75,24 @@ async def test_a_region_that_lost_its_latest_writes_is_repaired_without_raising_
     assert a_engine.stats["own_ahead"] >= 1  # skipped and counted, not written
     assert by_region(rs, "a") == {"a": 4}
 
-    # c's hit reaches b, whose relay to a carries a's slot at 10: a refuses that batch.
+    # c cannot reach a, and says so: c's hit reaches a only through b, whose relay
+    # also carries a's slot at 10. a refuses that batch; b drops it, and the
+    # anti-entropy it starts brings c's hit (skipping a's own slot).
+    rs.cut("c", "a")
+    for _ in range(20):
+        await rs.step(1)
+        if "a" in b_engine.peers["c"].failing:
+            break
+    assert "a" in b_engine.peers["c"].failing, "c reports that it cannot reach a"
     rs["c"].app().hit("api", "victim", cost=1)
     await rs.step(3)
-    assert by_region(rs, "a") == {"a": 4, "c": 1}  # c's hit arrived directly; a's own slot untouched
     assert by_region(rs, "b") == {"a": 10, "c": 1}
-    refused = 0
-    for name in "bc":
-        eng = rs[name].agent.engine
-        assert eng is not None
-        refused += eng.peers["a"].refused
-    assert refused >= 1
+    assert b_engine.peers["a"].refused >= 1
+    assert by_region(rs, "a") == {"a": 4, "c": 1}  # c's hit arrived; a's own slot untouched
     status = rs["b"].agent.status()["peers"]["a"]
     assert status["outbox"] == 0, "a refused batch must not block the outbox behind it"
     assert status["refused_cells"] == b_engine.peers["a"].refused
+    rs.heal("c", "a")
     # Later hits still flow both ways.
     rs["b"].app().hit("api", "victim", cost=2)
     a.hit("api", "victim", cost=1)
@@ -155,3 +160,9 @@ async def test_a_replayed_anti_entropy_step_is_refused_and_changes_nothing(pair:
     status, _ = await _post(pair, body, headers)
     assert status == 401
     assert dump_all(client) == after_first
+
+
+def test_periodic_anti_entropy_waits_ten_times_its_last_duration_and_never_less_than_the_interval() -> None:
+    assert periodic_wait(30.0, 0.2) == 30.0  # a small keyspace: the configured interval
+    assert periodic_wait(30.0, 9.5) == 95.0  # 1M keys, 9.5 s an exchange: at most ~10% of the time
+    assert periodic_wait(300.0, 9.5) == 300.0

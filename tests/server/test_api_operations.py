@@ -64,8 +64,7 @@ async def test_readyz_waits_for_redis_and_the_first_anti_entropy(start_agent: St
     assert any("anti-entropy" in reason for reason in body["waiting_for"])
 
     await agent.start()
-    took = await eventually(lambda: agent.readiness()[0], what="readiness")
-    assert took < 5
+    await eventually(lambda: agent.readiness()[0], timeout=30, what="readiness")
     assert await get(session, agent, "/readyz") == (200, {"ready": True, "waiting_for": []})
     # With b down, the first anti-entropy concludes as failed: the agent serves rather than waits for b.
     b = (await get(session, agent, "/v1/status"))[1]["peers"]["b"]
@@ -168,6 +167,9 @@ async def test_gossip_between_agents_is_unaffected_by_api_tokens(
         await eventually(b_sees_it, what="a's hit replicated to b")
         status, d = await check(session, b, U | {"cost": 4}, headers=auth)
         assert (status, d["allowed"], d["remaining"]) == (200, False, 3)
+        async with session.get(a.api_url + "/metrics") as resp:  # /metrics needs no token
+            found = families(await resp.text())
+        assert _sample(found, "geolimit_peer_rtt_seconds", peer="b") > 0, "a measured its round trips to b"
 
 
 async def test_redis_down_gives_503_while_status_and_health_keep_answering(

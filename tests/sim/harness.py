@@ -28,7 +28,6 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from geolimit.async_limiter import AsyncLimiter
 from geolimit.core.gcounter import parse_slot_id
 from geolimit.core.rule import Rule
 from geolimit.core.window import bucket_of, count_of
@@ -92,25 +91,6 @@ RECORD: list[Outcome] = []
 # -- the cluster -----------------------------------------------------------------
 
 
-class ShardedSimCluster(SimCluster):
-    """A SimCluster whose limiters use ``shards`` virtual shards (fewer: cheaper drains)."""
-
-    def __init__(self, *args: object, shards: int = 64, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.shards = shards
-
-    async def __aenter__(self) -> ShardedSimCluster:
-        await super().__aenter__()
-        if self.shards != 64:  # swap the regions before any round ran (only ticks are scheduled)
-            for name, old in list(self.regions.items()):
-                limiter = AsyncLimiter.from_url(
-                    self._url(old.db), region=name, rules=self.rules, clock=old.clock, shards=self.shards
-                )
-                await old.limiter.aclose()
-                self.regions[name] = self._region(name, old.db, old.clock, limiter)
-        return self
-
-
 def rounds_bound(schedule: Schedule) -> int:
     """Gossip rounds after the final heal within which every view must be exact.
 
@@ -123,9 +103,11 @@ def rounds_bound(schedule: Schedule) -> int:
     return math.ceil((slack + 1.2 * schedule.ae_interval) / INTERVAL)
 
 
-def cluster_for(schedule: Schedule, base_url: str) -> ShardedSimCluster:
+def cluster_for(schedule: Schedule, base_url: str) -> SimCluster:
+    """The simulated regions of ``schedule``: a database each of the server at ``base_url``,
+    or a key prefix each on a Redis Cluster (``redis+cluster://``)."""
     skew = {n: s for n, s in zip(schedule.names, schedule.skew, strict=False) if s}
-    return ShardedSimCluster(
+    return SimCluster(
         base_url, schedule.names, RULES, interval=INTERVAL, latency=schedule.latency, skew=skew,
         seed=schedule.seed, shards=schedule.shards, settings={"anti_entropy_interval": schedule.ae_interval},
     )

@@ -175,7 +175,7 @@ def test_find_redis_server_honours_env_var(tmp_path: Path, monkeypatch: pytest.M
     wrapper.write_text(f'#!/bin/sh\nexec "{real}" "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("GEOLIMIT_REDIS_SERVER", str(wrapper))
-    assert find_redis_server() == str(wrapper.resolve())
+    assert find_redis_server() == os.path.abspath(wrapper)
     with EmbeddedRedis() as server:  # binary=None -> the wrapper
         assert server.client().ping()
 

@@ -13,6 +13,7 @@ from geolimit import AsyncLimiter, ManualClock, Rule
 from geolimit.core.decision import to_rule_decision
 from geolimit.core.gcounter import Cell
 from geolimit.core.model import ModelStore
+from geolimit.core.window import SUBSTEPS
 from geolimit.replication.redis_io import ReplicationStore, blobs_from_cells
 
 RULES = [
@@ -69,7 +70,7 @@ async def test_decisions_with_peers_match_the_model(
             bucket = now // rule.resolution_us
             key = (rule.name, peer, bucket)
             remote_totals[key] = remote_totals.get(key, 0) + cost
-            value = remote_totals[key] * 64 + 3  # stored as count * 64 + first-admission offset
+            value = remote_totals[key] * SUBSTEPS + 3  # stored as count * SUBSTEPS + first-admission offset
             cells = [(rule.name, subject, bucket, f"{peer}/i1", value, 0)]
             await store.merge_blobs(blobs_from_cells(limiter.layout, cells), peer)
             model.merge(rule.name, subject, {bucket: {f"{peer}/i1": Cell(value, 0)}})

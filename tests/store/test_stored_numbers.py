@@ -39,20 +39,22 @@ def prefix() -> str:
 
 
 def all_integers(client: redis.Redis, key: bytes, numeric_names: bool = True) -> dict[bytes, bytes]:
-    """The hash at ``key``, after checking that every value (and field name but ``h``) is an integer."""
+    """The hash at ``key`` without its expiry mark ``e``, after checking that every value
+    (and field name but ``h`` and ``e``) is an integer."""
     fields = cast("dict[bytes, bytes]", client.hgetall(key))
     assert fields, f"{key!r} is empty"
     for name, value in fields.items():
         assert INTEGER.match(value), f"{key!r}: field {name!r} holds {value!r}"
-        assert not numeric_names or name == b"h" or INTEGER.match(name), f"{key!r}: field name {name!r}"
-    return fields
+        assert not numeric_names or name in (b"h", b"e") or INTEGER.match(name), f"{key!r}: field name {name!r}"
+    return {name: value for name, value in fields.items() if not numeric_names or name != b"e"}
 
 
 def track_changes(client: redis.Redis, layout: KeyLayout, subject: bytes) -> bytes:
     """Give the shard an agent lease far in the future, so hits and resets record changes."""
     shard = layout.shard_of(subject)
     client.hset(layout.registry_key(shard), "a", b"%d" % 10**22)
-    return layout.changed_key(shard)
+    _, changed, _ = layout.aux_keys(shard)
+    return changed
 
 
 def test_large_and_round_counts_are_stored_as_integers(redis_url: str, raw: redis.Redis, prefix: str) -> None:
@@ -70,7 +72,7 @@ def test_large_and_round_counts_are_stored_as_integers(redis_url: str, raw: redi
         bucket = int(T0)  # 1 s buckets
         position = b"%d" % field_of(0, bucket, rules[0].ring)
         assert all_integers(raw, big) == {b"h": b"1700000000", position: b"%d" % (2**46 * SUBSTEPS)}
-        assert all_integers(raw, rnd) == {b"h": b"1700000000", position: b"6400000000"}
+        assert all_integers(raw, rnd) == {b"h": b"1700000000", position: b"%d" % (100_000_000 * SUBSTEPS)}
         assert all_integers(raw, changed, numeric_names=False) == {big: b"1700000000", rnd: b"1700000000"}
         assert limiter.usage("big", subject).total == MAX_COUNT
         assert limiter.usage("round", subject).total == 100_000_000
@@ -78,7 +80,7 @@ def test_large_and_round_counts_are_stored_as_integers(redis_url: str, raw: redi
         limiter.reset(["big", "round"], subject)
         floor = b"%d" % (-field_of(0, bucket, rules[0].ring) - 1)
         assert all_integers(raw, big)[floor] == b"%d" % (2**46 * SUBSTEPS)
-        assert all_integers(raw, rnd)[floor] == b"6400000000"
+        assert all_integers(raw, rnd)[floor] == b"%d" % (100_000_000 * SUBSTEPS)
         assert all_integers(raw, changed, numeric_names=False) == {big: b"-1", rnd: b"-1"}
         assert limiter.usage("big", subject).total == 0
         # Hits after a reset add to the same cell (its floor hides what came before).
@@ -100,16 +102,16 @@ def test_numbers_past_17_digits_are_written_exactly(redis_url: str, raw: redis.R
         key = layout.data_key("far", subject)
         assert limiter.hit("far", subject).allowed
         position = field_of(0, 10**17, rule.ring)
-        assert all_integers(raw, key) == {b"h": b"100000000000000000", b"%d" % position: b"64"}
+        assert all_integers(raw, key) == {b"h": b"100000000000000000", b"%d" % position: b"%d" % SUBSTEPS}
         assert all_integers(raw, changed, numeric_names=False) == {key: b"100000000000000000"}
         # A reset cell whose value is past 17 digits (written by hand): the hit
-        # writes value + 64 and the reset its floor, both exactly.
-        huge = 10**17  # a multiple of 64 and exact in a double
+        # writes value + SUBSTEPS and the reset its floor, both exactly.
+        huge = 10**17  # a multiple of SUBSTEPS and exact in a double
         raw.hset(key, mapping={b"%d" % position: huge, b"%d" % (-position - 1): huge})
         assert limiter.hit("far", subject).allowed
-        assert all_integers(raw, key)[b"%d" % position] == b"%d" % (huge + 64)
+        assert all_integers(raw, key)[b"%d" % position] == b"%d" % (huge + SUBSTEPS)
         limiter.reset("far", subject)
-        assert all_integers(raw, key)[b"%d" % (-position - 1)] == b"%d" % (huge + 64)
+        assert all_integers(raw, key)[b"%d" % (-position - 1)] == b"%d" % (huge + SUBSTEPS)
 
 
 def _write_bad_key(client: redis.Redis, layout: KeyLayout, rule: Rule, subject: bytes, now_us: int) -> None:
@@ -126,7 +128,7 @@ def _write_bad_key(client: redis.Redis, layout: KeyLayout, rule: Rule, subject: 
         mapping={
             b"h": b"%d" % bucket,
             b"%d" % field_of(0, bucket, ring): 3 * SUBSTEPS,
-            b"%d" % field_of(1, bucket - 1, ring): b"1.28e+02",  # float-formatted 128: 2 units
+            b"%d" % field_of(1, bucket - 1, ring): b"%.2e" % (2 * SUBSTEPS),  # float-formatted: 2 units
             b"%d" % field_of(2, bucket, ring): b"4.6116860184273879e+18",  # past 2**53
             b"%d" % field_of(3, bucket, ring): b"garbage",
             b"%d" % (-field_of(1, bucket - 1, ring) - 1): b"nan",

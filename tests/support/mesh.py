@@ -23,12 +23,12 @@ import redis
 import redis.cluster
 
 from geolimit import AsyncLimiter, ManualClock, Rule
-from geolimit.core.keys import KeyLayout
+from geolimit.core.keys import KeyLayout, glob_escape
 from geolimit.core.usage import Usage
 from geolimit.server.agent import Agent
 from geolimit.server.config import AgentConfig, PeerConfig
 from tests.support.redis_provider import plain_url
-from tests.support.regions import eventually
+from tests.support.regions import dead_url, eventually
 
 __all__ = ["Member", "Mesh", "Site", "until"]
 
@@ -59,6 +59,17 @@ class Site:
             return sorted(client.scan_iter(match=pattern, count=1000))
         finally:
             client.close()
+
+    def wipe(self) -> int:
+        """Delete every key of this site's prefix (a region's Redis losing its data); how many."""
+        keys = [key for sep in (b":", b"#") for key in self.scan(glob_escape(self.prefix.encode() + sep) + b"*")]
+        client = self.client()
+        try:
+            for key in keys:
+                client.delete(key)
+        finally:
+            client.close()
+        return len(keys)
 
 
 @dataclass
@@ -160,6 +171,27 @@ class Mesh:
 
     def ready(self) -> bool:
         return all(m.agent.readiness()[0] for m in self.members.values())
+
+    def cut(self, a: str, b: str) -> None:
+        """Partition a and b from each other (both directions)."""
+        self.members[a].agent.set_peer_url(b, dead_url())
+        self.members[b].agent.set_peer_url(a, dead_url())
+
+    def heal(self, a: str, b: str) -> None:
+        self.members[a].agent.set_peer_url(b, self.members[b].agent.url)
+        self.members[b].agent.set_peer_url(a, self.members[a].agent.url)
+
+    async def restart_agent(self, name: str) -> Agent:
+        """A new agent process for region ``name``, on the same address (the old one is aborted)."""
+        member = self.members[name]
+        port = int(member.agent.url.rsplit(":", 1)[1])
+        await member.agent.abort()
+        member.agent = Agent(replace(member.config, listen=("127.0.0.1", port)), clock=self.clock)
+        if self.run_loops:
+            await member.agent.start()
+        else:
+            await member.agent.listen()
+        return member.agent
 
 
 async def until(

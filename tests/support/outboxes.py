@@ -5,7 +5,8 @@ Per shard (``tag`` = ``<prefix>:{<shard>}``) and peer P, see geolimit/store/lua/
     tag#c       data key -> entry   changed since the last drain (for every peer)
     tag#o:P     data key -> entry   P's outbox
     tag#f:P:w   in-flight slot w:   '#<n>' -> msgpack [key, entry, ...] per pack call
-                                    (or, in the older layout, data key -> entry)
+                                    (or, for a whole outbox renamed, data key -> entry),
+                                    and '@t' -> when its oldest entry was queued
 
 An entry is a bucket ``b`` (this region's own cells from ``b`` on) or ``-(b + 1)``
 (every slot's cells from ``b`` on).
@@ -35,6 +36,8 @@ def flight_entries(fields: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
     """``(data key, raw entry)`` of an in-flight hash, in either layout."""
     out: list[tuple[bytes, bytes]] = []
     for name, value in fields.items():
+        if name == b"@t":
+            continue
         if name.startswith(b"#"):
             flat: list[Any] = msgpack.unpackb(value, raw=True)
             out += [(bytes(flat[i]), bytes(flat[i + 1])) for i in range(0, len(flat), 2)]

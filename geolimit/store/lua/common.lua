@@ -60,13 +60,44 @@ local function tracking(reg, region, nonce, now)
   return got[2] and tonumber(got[2]) > now
 end
 
+-- Key expiry. Field 'e' of a data key holds when (Redis TIME, in ms) its TTL
+-- ends, as last set by these scripts. A write that needs the key to live ttl
+-- ms more re-arms the TTL only when 'e' says it ends sooner, and then arms
+-- ttl + ttl/4: a busy key re-arms about every ttl/4 instead of on every move
+-- of its head (PEXPIRE is one of the dearest calls of a write), and an idle
+-- key lives at most a quarter of its TTL longer than it must.
+local now_ms_cache = nil
+local function now_ms()
+  if not now_ms_cache then
+    local t = call('TIME')
+    now_ms_cache = tonumber(t[1]) * 1000 + (tonumber(t[2]) - tonumber(t[2]) % 1000) / 1000
+  end
+  return now_ms_cache
+end
+
+-- The expiry mark to write with a key's fields, or nil if its TTL lasts
+-- long enough already (e: the key's current mark, nil if none).
+local function expiry_mark(e, ttl)
+  local need = now_ms() + ttl
+  if e and e >= need then return nil end
+  return need + (ttl - ttl % 4) / 4
+end
+
+-- Arm the TTL that expiry_mark() chose (after the key's fields are written:
+-- PEXPIRE of a missing key does nothing).
+local function arm_expiry(key, mark)
+  call('PEXPIRE', key, string.format('%d', mark - now_ms()))
+end
+
 -- Reads a key's buckets relative to bucket c.
 -- Returns sums[0..N] (effective count of bucket c - d), futs (bucket -> count
 -- for buckets newer than c), head (nil for a new key), own (raw value of this
 -- region's field for bucket c), stale (fields of buckets that have left the
--- window, deleted by the next write) and firsts[0..N] (earliest first-admission
--- offset of each bucket, in 64ths; only with approx). With per_slot, also slot index ->
--- {count in the window, count in buckets c-1 and c} (floors applied).
+-- window, deleted by the next write), firsts[0..N] (earliest first-admission
+-- offset of each bucket, in 64ths; only with approx) and the expiry mark (see
+-- expiry_mark). With per_slot, also slot index -> {count in the window, count in
+-- buckets c-1 and c} (floors applied). Fields whose name or value is not a
+-- number are ignored (geolimit.core.window.read_key does the same).
 local function load_window(key, c, N, M, per_slot, approx)
   local flat = call('HGETALL', key)
   local n = #flat
@@ -75,28 +106,28 @@ local function load_window(key, c, N, M, per_slot, approx)
   local slots = per_slot and {} or nil
   local firsts = {}
   for d = 0, N do firsts[d] = SUB end
-  if n == 0 then return sums, nil, nil, 0, {}, slots, firsts end
-  local h
-  if flat[1] == 'h' then h = tonumber(flat[2]) else
-    for i = 1, n, 2 do if flat[i] == 'h' then h = tonumber(flat[i + 1]) break end end
+  if n == 0 then return sums, nil, nil, 0, {}, slots, firsts, nil end
+  local h, e
+  for i = 1, n, 2 do
+    local fs = flat[i]
+    if fs == 'h' then h = tonumber(flat[i + 1]) elseif fs == 'e' then e = tonumber(flat[i + 1]) end
   end
   if not h then h = c end
   local stale, futs, floors = {}, nil, nil
   local own, ownf, old = 0, c % M, c - N - 1
   for i = 1, n, 2 do
     local fs = flat[i]
-    if fs ~= 'h' then
-      local f = tonumber(fs)
-      local raw = f
-      if f < 0 then raw = -f - 1 end
+    local f = tonumber(fs)
+    local raw_v = f and tonumber(flat[i + 1])
+    local raw = f and (f < 0 and -f - 1 or f)
+    if raw and h - (h - raw % M) % M <= old then
+      stale[#stale + 1] = fs
+    elseif raw_v then
       local b = h - (h - raw % M) % M
-      if b <= old then
-        stale[#stale + 1] = fs
-      elseif f < 0 then
+      if f < 0 then
         floors = floors or {}
-        floors[raw] = count_of(tonumber(flat[i + 1]))
+        floors[raw] = count_of(raw_v)
       else
-        local raw_v = tonumber(flat[i + 1])
         local v = (raw_v - raw_v % SUB) / SUB
         local d = c - b
         if d < 0 then
@@ -123,33 +154,31 @@ local function load_window(key, c, N, M, per_slot, approx)
   end
   if floors then
     for i = 1, n, 2 do
-      local fs = flat[i]
-      if fs ~= 'h' then
-        local f = tonumber(fs)
-        local fl = f >= 0 and floors[f]
-        if fl then
-          local b = h - (h - f % M) % M
-          if b > old then
-            local v = count_of(tonumber(flat[i + 1]))
-            local sub = fl < v and fl or v
-            local d = c - b
-            if d < 0 then
-              futs[b] = futs[b] - sub
-            elseif d <= N then
-              sums[d] = sums[d] - sub
-              if slots and f >= M then
-                local t = slots[(f - f % M) / M]
-                t[1] = t[1] - sub
-                if d <= 1 then t[2] = t[2] - sub end
-                if d == 0 then t[3] = t[3] - sub end
-              end
+      local f = tonumber(flat[i])
+      local fl = f and f >= 0 and floors[f]
+      local raw_v = fl and tonumber(flat[i + 1])
+      if raw_v then
+        local b = h - (h - f % M) % M
+        if b > old then
+          local v = count_of(raw_v)
+          local sub = fl < v and fl or v
+          local d = c - b
+          if d < 0 then
+            futs[b] = futs[b] - sub
+          elseif d <= N then
+            sums[d] = sums[d] - sub
+            if slots and f >= M then
+              local t = slots[(f - f % M) / M]
+              t[1] = t[1] - sub
+              if d <= 1 then t[2] = t[2] - sub end
+              if d == 0 then t[3] = t[3] - sub end
             end
           end
         end
       end
     end
   end
-  return sums, futs, h, own, stale, slots, firsts
+  return sums, futs, h, own, stale, slots, firsts, e
 end
 
 -- Does a key hold counts of any slot but this region's current one?
@@ -283,7 +312,8 @@ local function evaluate(sums, firsts, futs, N, now, cost, limit, res, approx, co
             local first = firsts[N - k]
             if first >= SUB then first = 0 end
             local span = res - first * res / SUB
-            retry = ceil((c + k + 1) * res - need * span - now)
+            -- relative to now first: an absolute time in µs as a double is exact only to ~0.25 µs
+            retry = ceil((c + k + 1) * res - now - need * span)
           end
           break
         end

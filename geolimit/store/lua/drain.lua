@@ -59,7 +59,7 @@ if n > 0 then
       if j < #empty then call('COPY', chg, tag .. '#o:' .. name) else call('RENAME', chg, tag .. '#o:' .. name) end
       call('SET', tag .. '#t:' .. name, fmt(now), 'NX')
     end
-    if #empty == 0 then call('DEL', chg) end
+    if #empty == 0 then call('UNLINK', chg) end
     taken = n
   else
     local flat = take(chg, n, max_keys, now)

@@ -24,7 +24,7 @@ for _ = 1, tonumber(ARGV[4]) do
     local partition = tonumber(ARGV[ai + 7])
     local c = bucket(now, res)
     local watch = predict or partition > 0
-    local sums, futs, h, own, stale, slots, firsts = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
+    local sums, futs, h, own, stale, slots, firsts, e = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
     local reserve, closed = 0, false
     if watch and (partition > 0 or has_remote(slots)) then
       info = info or load_peers(reg, peers)
@@ -34,7 +34,7 @@ for _ = 1, tonumber(ARGV[4]) do
     if closed or (nr > 1 and not admits(sums, futs, firsts, N, now, cost, limit, res, approx, reserve)) then
       res_all = false
     end
-    rs[j] = {sums, futs, N, limit, res, approx, c, M, ARGV[ai + 4], h, own, stale, reserve, closed, firsts}
+    rs[j] = {sums, futs, N, limit, res, approx, c, M, tonumber(ARGV[ai + 4]), h, own, stale, reserve, closed, firsts, e}
     ai = ai + 9
   end
   local single
@@ -54,8 +54,13 @@ for _ = 1, tonumber(ARGV[4]) do
       value = value + cost * SUB
       if h == nil or c > h then
         if #r[12] > 0 then chunked('HDEL', key, r[12], 1000) end
-        call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value))
-        call('PEXPIRE', key, r[9])
+        local mark = expiry_mark(r[16], r[9])
+        if mark then
+          call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark))
+          arm_expiry(key, mark)
+        else
+          call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value))
+        end
       else
         call('HSET', key, fmt(c % M), fmt(value))
       end

@@ -31,7 +31,7 @@ local nrules = tonumber(ARGV[a])
 a = a + 1
 for _ = 1, nrules do
   local res = tonumber(ARGV[a + 1])  -- res, N, M, F, ttl_ms, the current bucket, passed() cache
-  rules[ARGV[a]] = {res, tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), ARGV[a + 5],
+  rules[ARGV[a]] = {res, tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]),
                     bucket(now, res), {}}
   a = a + 6
 end
@@ -256,7 +256,7 @@ for i = 2, n, 2 do
     end
     for q = 1, k do pos[cf[q]] = nil end
     if k > 0 then
-      local h = nil
+      local h, e = nil, nil  -- the key's head and expiry mark
       local whole = not dense and spec[8]
       local stale = nil  -- fields of the ring positions a moving head passes over
       if whole then
@@ -298,6 +298,8 @@ for i = 2, n, 2 do
             if drop then
               stale = stale or {}
               stale[#stale + 1] = name
+            elseif name == 'e' then
+              e = tonumber(flat[x + 1])
             elseif k == 1 then
               if name == n1 then sv[1] = tonumber(flat[x + 1]) or 0
               elseif name == n2 then sw[1] = tonumber(flat[x + 1]) or 0 end
@@ -321,8 +323,9 @@ for i = 2, n, 2 do
           fields[2 * q] = fnames[cf[q]]
           fields[2 * q + 1] = fnames[-cf[q] - 1]
         end
+        fields[2 * k + 2] = 'e'
         local got = hmget_all(key, fields)
-        h = tonumber(got[1])
+        h, e = tonumber(got[1]), tonumber(got[2 * k + 2])
         if h then
           for q = 1, k do
             local b = cb[q]
@@ -337,7 +340,7 @@ for i = 2, n, 2 do
       if h and newh > h then
         if newh - h >= M then
           call('DEL', key)
-          h = nil
+          h, e = nil, nil
           for q = 1, k do sv[q], sw[q] = 0, 0 end
         elseif whole then
           if stale then chunked('HDEL', key, stale, 1000) end
@@ -346,8 +349,11 @@ for i = 2, n, 2 do
         end
       end
       nw = 0
+      local mark = nil
       if newh ~= h then
         write[1], write[2], nw = 'h', fnames[newh], 2
+        mark = expiry_mark(e, ttl)
+        if mark then write[3], write[4], nw = 'e', fmt(mark), 4 end
       end
       local lowest = nil
       for q = 1, k do
@@ -374,7 +380,7 @@ for i = 2, n, 2 do
           if y > nw then y = nw end
           call('HSET', key, unpack(write, x, y))
         end
-        if newh ~= h then call('PEXPIRE', key, ttl) end
+        if mark then arm_expiry(key, mark) end
       end
       if lowest and relaying then
         queued[#queued + 1] = key

@@ -4,7 +4,8 @@
 --   tag#o:P     hash   data key -> entry: keys whose cells P still has to receive
 --   tag#f:P:w   hash   the entries taken into in-flight message slot w: one field
 --                      per pack call, '#<n>' -> msgpack {key, entry, ...}
---   tag#t:P     string when the oldest entry of tag#o:P was queued (µs), for lag
+--   tag#t:P     string when the oldest entry of tag#o:P was queued (µs), for lag;
+--               an in-flight hash keeps it in field '@t' (a returned batch keeps its age)
 -- An entry is a bucket b (send this region's own cells from b on) or -(b + 1)
 -- (send every slot's cells from b on: after a reset, or a relay). Entries merge
 -- by taking the lower bucket and the wider scope.
@@ -91,12 +92,13 @@ local function in_flight(flight)
   local out = {}
   for i = 1, #flat, 2 do
     local f = flat[i]
-    if string.byte(f, 1) == 35 then  -- '#'
+    local first = string.byte(f, 1)
+    if first == 35 then  -- '#'
       local ok, list = pcall(cmsgpack.unpack, flat[i + 1])
       if ok and type(list) == 'table' then
         for j = 1, #list do out[#out + 1] = list[j] end
       end
-    else
+    elseif first ~= 64 then  -- not '@t' (the batch's queue time)
       out[#out + 1] = f
       out[#out + 1] = flat[i + 1]
     end

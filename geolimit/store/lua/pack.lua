@@ -194,8 +194,17 @@ end
 -- Move what was sent from the outbox into in-flight slot w: one field per call,
 -- '#<n>' -> msgpack {key, entry, ...} (cheaper than one hash field per key).
 local emptied = whole and nd * 2 == #taken
-if emptied then call('DEL', box) else chunked('HDEL', box, done, 1000) end
-if nm > 0 then call('HSET', flight, '#' .. fmt(call('HLEN', flight) + 1), cmsgpack.pack(moved)) end
+local queued_at = nm > 0 and call('GET', since)
+if emptied and nm > 0 and call('EXISTS', flight) == 0 then
+  call('RENAME', box, flight)  -- O(1): the flight holds key -> entry fields (in_flight reads both layouts)
+else
+  if emptied then call('UNLINK', box) else chunked('HDEL', box, done, 1000) end
+  if nm > 0 then
+    local n = call('HLEN', flight) - call('HEXISTS', flight, '@t')
+    call('HSET', flight, '#' .. fmt(n + 1), cmsgpack.pack(moved))
+  end
+end
+if queued_at then call('HSETNX', flight, '@t', queued_at) end  -- the oldest entry's age goes with it
 if #rest > 0 then enqueue(box, since, rest, now) end
 local left = 0
 if not emptied or #rest > 0 then left = call('HLEN', box) end

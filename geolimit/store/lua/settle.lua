@@ -10,8 +10,16 @@ local peer = ARGV[2]
 local flight = tag .. '#f:' .. peer .. ':' .. ARGV[3]
 if call('EXISTS', flight) == 0 then return 0 end
 if ARGV[4] == 'nack' then
-  enqueue(tag .. '#o:' .. peer, tag .. '#t:' .. peer, in_flight(flight), now)
+  -- Back in the outbox, the entries keep the time they were first queued.
+  local since = tag .. '#t:' .. peer
+  local entries = in_flight(flight)
+  enqueue(tag .. '#o:' .. peer, since, entries, now)
+  local queued_at = tonumber(call('HGET', flight, '@t'))
+  if queued_at and #entries > 0 then
+    local cur = tonumber(call('GET', since))
+    if not cur or queued_at < cur then call('SET', since, string.format('%d', queued_at)) end
+  end
 end
 local n = call('HLEN', flight)
-call('DEL', flight)
+call('UNLINK', flight)  -- a large hash is freed off the main thread
 return n

@@ -114,6 +114,7 @@ async def test_pack_keeps_one_field_per_call_in_flight_and_a_nack_returns_every_
     assert sorted(sent) == sorted(queued)  # 40 + 40 + 20, each key once
     assert not redis_client.exists(tag + b"#o:b")
     flight = _hash(redis_client, tag + b"#f:b:2")
+    assert flight.pop(b"@t") == b"%d" % CLOCK.now_us()  # when the batch's oldest entry was queued
     assert sorted(flight) == [b"#1", b"#2", b"#3"]
     entries = [msgpack.unpackb(v, raw=True) for v in flight.values()]
     assert dict(pair for flat in entries for pair in zip(flat[::2], flat[1::2], strict=True)) == queued

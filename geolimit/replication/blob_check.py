@@ -1,0 +1,89 @@
+"""Checks of a peer's cell blob that need no Redis state. No I/O.
+
+A blob (see :mod:`geolimit.replication.wire`) is ``[slots, suffix, cells, ...]``.
+:func:`vet_blob` runs the same type, size and range checks as ``merge.lua`` with
+the same reasons, using C-level builtins over the flat cell list (about 0.1 µs a
+cell), so the receiver's Redis does not have to unpack and walk every blob twice.
+What needs Redis state stays in ``merge.lua``: the slot registry (new slot ids,
+a full registry) and claims on the receiver's own current slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from itertools import chain
+
+import msgpack
+
+from geolimit.errors import ProtocolError
+
+__all__ = ["MAX_VALUE", "VettedBlob", "vet_blob"]
+
+#: 2**53 - 1: the largest integer Redis's Lua (doubles) holds exactly.
+MAX_VALUE = 2**53 - 1
+MAX_SLOT_ID = 200
+MAX_SUFFIX = 4200
+
+
+@dataclass(frozen=True, slots=True)
+class VettedBlob:
+    slots: list[bytes]  # the blob's slot ids, in order
+    regions: frozenset[bytes]  # the regions those slot ids belong to
+    cells: int
+
+
+def _refuse(why: str) -> ProtocolError:
+    return ProtocolError(why)
+
+
+def vet_blob(blob: bytes, allowed: Collection[bytes], max_cells: int, max_slots: int) -> VettedBlob:
+    """Check ``blob``'s structure, types and ranges; raise :class:`ProtocolError` naming the first fault
+    (in the words ``merge.lua`` uses).
+
+    ``allowed``: the configured regions (slot ids of other regions are refused).
+    """
+    try:
+        t = msgpack.unpackb(blob, raw=True, use_list=True, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise _refuse("blob is not msgpack") from exc
+    if not isinstance(t, list) or not t or not isinstance(t[0], list):
+        raise _refuse("blob has no slot list")
+    slots: list[bytes] = t[0]
+    if len(slots) > max_slots:
+        raise _refuse("too many slot ids in one blob")
+    regions: set[bytes] = set()
+    for sid in slots:
+        if type(sid) is not bytes or len(sid) > MAX_SLOT_ID:
+            raise _refuse("slot id is not a short string")
+        region, _, incarnation = sid.rpartition(b"/")
+        if not region or not incarnation:
+            raise _refuse("slot id is not region/incarnation")
+        if region not in allowed:
+            raise _refuse("slot of a region that is not configured")
+        regions.add(region)
+    if len(set(slots)) != len(slots):
+        raise _refuse("duplicate slot id")
+    if len(t) % 2 != 1:
+        raise _refuse("blob has a key without cells")
+    total = 0
+    lists = t[2::2]
+    for suffix, cells in zip(t[1::2], lists, strict=True):
+        if type(suffix) is not bytes or not 3 <= len(suffix) <= MAX_SUFFIX:
+            raise _refuse("bad key")
+        if type(cells) is not list:
+            raise _refuse("bad cell list")
+        if len(cells) % 4:
+            raise _refuse("cells are not bucket, slot, value, floor quadruples")
+        total += len(cells) >> 2
+        if total > max_cells:
+            raise _refuse("too many cells in one blob")
+    flat = list(chain.from_iterable(lists))
+    if flat:
+        if not set(map(type, flat)) <= {int} or min(flat) < 0:
+            raise _refuse("a cell field is not a non-negative integer")
+        if max(flat[1::4]) >= len(slots):
+            raise _refuse("slot reference out of range")
+        if max(flat) > MAX_VALUE:
+            raise _refuse("a cell value is out of range")
+    return VettedBlob(slots, frozenset(regions), total)

@@ -1,0 +1,153 @@
+"""The receiving side of the gossip engine: merge, relay and what peers report.
+
+:class:`Receiver` is a mixin of :class:`~geolimit.replication.gossip.GossipEngine`:
+it checks a peer's message against this region's view, merges its cells
+(``merge.lua``, through :meth:`ReplicationStore.merge_blobs`), decides which peers
+they are relayed to, and records what the sender says about its own links.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from geolimit.errors import ProtocolError
+from geolimit.replication import wire
+from geolimit.replication.peers import EngineSettings, PeerState
+from geolimit.replication.redis_io import MergeResult, ReplicationStore
+
+if TYPE_CHECKING:
+    from geolimit.replication.gossip_repair import AntiEntropyDriver
+
+__all__ = ["Receiver"]
+
+log = logging.getLogger("geolimit.gossip")
+
+
+class Receiver:
+    """Handles authenticated, decoded messages from peers (mixed into the engine)."""
+
+    region: str
+    store: ReplicationStore
+    settings: EngineSettings
+    peers: dict[str, PeerState]
+    stats: dict[str, float]
+    clock: Callable[[], float]
+    repair: AntiEntropyDriver
+
+    def message(self, kind: str, dest: str, blobs: list[wire.Blob] | None = None) -> wire.Message:
+        raise NotImplementedError
+
+    def _link_down(self, source: PeerState, target: str, now: float) -> bool:
+        """Does ``source`` report that it cannot deliver to ``target``?
+
+        Either its last attempt failed, or it has not had an acknowledgement for
+        two heartbeats (an idle link still acknowledges every heartbeat).
+        """
+        if target in source.failing:
+            return True
+        acked = source.acked_from(target)
+        return acked is None or now - acked > 2 * self.settings.heartbeat + 2 * self.settings.interval
+
+    def relays(self, source: PeerState, msg: wire.Message | None = None) -> list[str]:
+        """The peers that cells from ``source`` are relayed to: those it cannot reach.
+
+        ``source`` delivers to every peer itself (its outboxes are durable), so in
+        a healthy mesh a relay is only a duplicate: cells are relayed to a peer
+        only while ``source`` reports that link down in ``msg`` (or, without one,
+        in its last report): its last send failed, or it has had no
+        acknowledgement for two heartbeats, or it never reached that peer. Cells
+        merged here just before such a report arrived are repaired by the
+        anti-entropy that the report starts with that peer (:meth:`note_reach`).
+        """
+        stale = 2 * self.settings.heartbeat + 2 * self.settings.interval
+        if msg is not None:
+            failing, reach, since = frozenset(msg.failing), msg.reach, 0.0
+        else:
+            failing, reach, since = source.failing, source.reach, self.clock() - source.reach_at
+        return [p for p in self.peers
+                if p != source.name and (p in failing or reach.get(p, math.inf) + since > stale)]
+
+    def note_reach(self, peer: PeerState, msg: wire.Message, now: float) -> None:
+        # A link of the sender's that just went down may have swallowed cells we
+        # merged before we knew: anti-entropy with that target repairs them, and
+        # relay covers what comes next.
+        up = [t for t in self.peers if t != peer.name and not self._link_down(peer, t, now)]
+        peer.reach = dict(msg.reach)
+        peer.reach_at = now
+        peer.failing = frozenset(msg.failing)
+        for target in up:
+            if self._link_down(peer, target, now):
+                self.peers[target].ae_needed = True
+        if msg.now_us:
+            sample = msg.now_us / 1_000_000 - (now - peer.rtt / 2)
+            peer.skew = sample if peer.skew == 0.0 else 0.8 * peer.skew + 0.2 * sample
+
+    # -- receiving ------------------------------------------------------------
+
+    async def receive(self, msg: wire.Message, admit: Callable[[], Awaitable[object]] | None = None) -> wire.Message:
+        """Handle an authenticated, decoded message from a peer and build the response.
+
+        ``admit`` (the replay guard) runs once the message passed every check and
+        before anything is written, so a refused message leaves Redis untouched.
+        """
+        now = self.clock()
+        peer = self.peers.get(msg.sender)
+        if peer is None:
+            raise ProtocolError(f"message from unknown peer {msg.sender!r}")
+        if msg.dest != self.region:
+            raise ProtocolError(f"message addressed to {msg.dest!r}, this is {self.region!r}")
+        if msg.shards != self.store.layout.shards:
+            raise ProtocolError(
+                f"{msg.sender} uses {msg.shards} shards and this region {self.store.layout.shards}: "
+                f"every region must use the same [region] shards"
+            )
+        if msg.kind not in ("delta", "ae"):
+            raise ProtocolError(f"unexpected message kind {msg.kind!r}")
+        reply = self.message("ack", peer.name)
+        if msg.kind == "delta":
+            await self._merge(peer, msg, admit)
+        else:
+            reply.ae = await self.repair.ae.handle(peer.name, msg.ae, admit)
+        peer.last_heard = now
+        self.note_reach(peer, msg, now)
+        return reply
+
+    async def _merge(
+        self, peer: PeerState, msg: wire.Message, admit: Callable[[], Awaitable[object]] | None = None
+    ) -> None:
+        if not msg.blobs:
+            if admit is not None:
+                await admit()
+            return
+        rules = self.store.rules
+        accepted = [n for n, structure in msg.rules.items() if n in rules and rules[n].structure == structure]
+        mismatched = sorted(n for n, s in msg.rules.items() if n in rules and rules[n].structure != s)
+        if mismatched:
+            log.warning("region %s: %s sent rules %s with another window/resolution; ignored",
+                        self.region, msg.sender, mismatched)
+        relay = self.relays(peer, msg)
+        try:
+            merged = await self.store.merge_blobs(msg.blobs, peer.name, relay, accepted, admit)
+        except ProtocolError:
+            self.stats["refused"] += 1
+            raise
+        self.count(peer, merged)
+
+    def count(self, peer: PeerState, merged: MergeResult) -> None:
+        """Add a merge's outcome to the stats (and warn about own-slot claims)."""
+        peer.cells_received += merged.cells
+        self.stats["merged"] += merged.cells
+        self.stats["increased"] += merged.increased
+        self.stats["dropped_old"] += merged.dropped_old
+        self.stats["dropped_future"] += merged.dropped_future
+        self.stats["unknown_rule"] += merged.unknown_rule
+        self.stats["relayed"] += merged.relayed
+        own_ahead = merged.own_ahead
+        if own_ahead:
+            self.stats["own_ahead"] += own_ahead
+            log.warning("region %s: %s holds more hits in this region's own slot than this Redis (%d cells "
+                        "skipped): did Redis fail over or restore a snapshot and lose recent writes?",
+                        self.region, peer.name, own_ahead)

@@ -1,0 +1,69 @@
+"""The proxy's agent mode: AgentClient decides several rules at once, peeks, and carries what the
+headers need (against a real agent on loopback and its own redis-server)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from geolimit import ManualClock, Rule
+from geolimit.http.agent_client import AgentClient
+from geolimit.http.guard import Guard, LimitSpec, RoutePolicy
+from geolimit.http.headers import rate_limit_headers
+from geolimit.http.keys import RequestInfo, Route
+from geolimit.proxy.decider import ProxyDecider
+from geolimit.server.agent import Agent
+from geolimit.server.config import AgentConfig, PeerConfig
+from geolimit.store.embedded import EmbeddedRedis
+from tests.support.regions import dead_url
+
+RULES = (Rule("api", 5, 10, 1), Rule("burst", 2, 10, 1))
+
+
+@pytest.fixture
+async def client(redis_server_factory: Callable[..., EmbeddedRedis]) -> AsyncIterator[AgentClient]:
+    server = redis_server_factory()
+    agent = Agent(AgentConfig(region="a", redis_url=server.url, listen=("127.0.0.1", 0),
+                              secret=secrets.token_bytes(32), peers=(PeerConfig("b", dead_url()),), rules=RULES),
+                  clock=ManualClock(1_700_000_000.25))
+    await agent.listen()
+    made = AgentClient(agent.url)
+    try:
+        yield made
+    finally:
+        await made.close()
+        await agent.abort()
+        server.stop()
+
+
+async def test_several_rules_in_one_call_and_peeks_that_consume_nothing(client: AgentClient) -> None:
+    peeked = await client.peek(["api", "burst"], "u")
+    assert peeked.allowed
+    first = await client.hit(["api", "burst"], "u")
+    assert [(r.rule, r.remaining) for r in first.results] == [("api", 4), ("burst", 1)]
+    assert first.results[0].stable_for == 10.75, "one unit counted: until its bucket leaves, carried over JSON"
+    await client.hit(["api", "burst"], "u")
+    denied = await client.hit(["api", "burst"], "u")
+    assert not denied.allowed
+    assert [(r.rule, r.allowed, r.remaining) for r in denied.results] == [("api", True, 3), ("burst", False, 0)]
+    headers = dict(rate_limit_headers(denied))
+    assert int(headers["Retry-After"]) >= max(int(p.split("t=")[1]) for p in headers["RateLimit"].split(", "))
+
+
+async def test_a_proxy_guard_over_the_agent_is_all_or_nothing(client: AgentClient) -> None:
+    guard = Guard(client, [RoutePolicy(Route("/*"), (LimitSpec("api"), LimitSpec("burst")))])
+    request = RequestInfo("GET", "/", {}, "192.0.2.1")
+    assert [(await guard.check(request)).allowed for _ in range(4)] == [True, True, False, False]
+    usage = await client.peek("api", "ip=192.0.2.1")
+    assert usage.remaining == 3, "the denied requests consumed nothing of api"
+
+
+async def test_a_rule_the_agent_does_not_know_fails_alone(client: AgentClient) -> None:
+    guard = Guard(ProxyDecider(client), [RoutePolicy(Route("/*"), (LimitSpec("burst"), LimitSpec("gone")))])
+    request = RequestInfo("GET", "/", {}, "192.0.2.2")
+    verdicts = [await guard.check(request) for _ in range(3)]
+    assert [v.allowed for v in verdicts] == [True, True, False], "burst is still enforced"
+    assert verdicts[0].failed == ["gone"], "the unknown rule fails open (its on_error) on its own"
+    assert verdicts[2].denied_by == ["burst"]
