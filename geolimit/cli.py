@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--region", default="local", help="region name (default: %(default)s)")
     p.add_argument("--rule-name", default="try", help="rule name (default: %(default)s)")
     p.add_argument("--times", type=int, default=5, help="how many hits (default: %(default)s)")
-    p.add_argument("--cost", type=int, default=1)
+    p.add_argument("--cost", type=int, default=1, help="cost of each hit (default: %(default)s)")
     p.add_argument("rate", help="rate string such as 5/10s, '100 per minute' or '10/hour;5/minute'")
     p.add_argument("subject", help="who is limited, such as user:42")
     p.set_defaults(handler=_cmd_try)
@@ -279,10 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
         "2 refused request (bad arguments, unknown rule, missing or wrong token), 3 agent unreachable or failing.",
     )
     p.add_argument("--agent", default="http://127.0.0.1:7400", help="agent URL (default: %(default)s)")
-    p.add_argument("--cost", type=int, default=1)
+    p.add_argument("--cost", type=int, default=1, help="cost of the request (default: %(default)s)")
     p.add_argument("--peek", action="store_true", help="do not consume")
     p.add_argument("--json", action="store_true", help="print the JSON decision")
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default: %(default)s)")
     p.add_argument("--token-file", help="file holding the agent's API token (region.api_token_file)")
     p.add_argument("rule", nargs="+", help="rule name(s); several are all-or-nothing")
     p.add_argument("subject")
@@ -290,9 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="an agent's peers, lag and outbox as a table (exit 1 if not ready)")
     p.add_argument("--agent", default="http://127.0.0.1:7400", help="agent URL (default: %(default)s)")
-    p.add_argument("--token-file", default=None, help="file holding the API bearer token")
+    p.add_argument("--token-file", default=None,
+                   help="file holding the agent's API token (region.api_token_file)")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default: %(default)s)")
     p.set_defaults(handler=_cmd_status)
 
     p = sub.add_parser("demo", help="run 3 regions on this machine, partition one, plot the result")
@@ -301,8 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of traffic (default: %(default)s; start-up, shutdown and the plot add ~4 s)")
     p.add_argument("--policy", choices=("local", "share", "closed"), default="share",
                    help="partition policy of the demo rule (default: %(default)s)")
-    p.add_argument("--plot", default="geolimit-demo.png", help="PNG written at the end ('' to skip)")
-    p.add_argument("--latency", type=float, default=0.05, help="one-way latency between regions, seconds")
+    p.add_argument("--plot", default="geolimit-demo.png", help="PNG written at the end, also after Ctrl-C (default: %(default)s in the current "
+                   "directory; '' to skip)")
+    p.add_argument("--latency", type=float, default=0.05,
+                   help="one-way latency between regions, seconds (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no live table, only the summary")
     p.set_defaults(handler=_cmd_demo)
 

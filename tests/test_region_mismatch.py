@@ -17,9 +17,9 @@ def test_a_second_region_on_the_same_redis_is_refused(redis_url: str) -> None:
     prefix = "rm" + secrets.token_hex(4)
     with Limiter.from_url(redis_url, region="us-east", rules=RULES, prefix=prefix) as east:
         assert east.hit("api", "u").allowed
-        with Limiter.from_url(redis_url, region="eu-west", rules=RULES, prefix=prefix) as west:
-            with pytest.raises(ConfigError) as info:
-                west.hit("api", "u")
+        with Limiter.from_url(redis_url, region="eu-west", rules=RULES, prefix=prefix) as west, \
+                pytest.raises(ConfigError) as info:
+            west.hit("api", "u")
     message = str(info.value)
     assert "belongs to region 'us-east'" in message
     assert "names region 'eu-west'" in message

@@ -11,7 +11,7 @@
 #   --no-proxy      no proxies: traffic goes to the agents' /v1/check (the apps still start)
 #   --offset N      add N to every port (default $GEOLIMIT_LOCAL_PORT_OFFSET or 0)
 #   --state DIR     keep configs, secrets, logs and pids in DIR (default: a new temp dir,
-#                   removed at the end unless --keep)
+#                   removed on every exit path, or by `down` after `up -d`, unless --keep)
 #   --keep          keep the temp dir (logs) after teardown
 #   --timeout S     deadline of each readiness wait (default 60)
 # Environment: PYTHON (default python3) must import geolimit (pip install -e .);
@@ -34,6 +34,7 @@ OWN_STATE=0
 STARTING=0   # 1 once this invocation owns $STATE/pids (and the pointer file)
 TIMEOUT=60
 STOP_TIMEOUT=15
+LAUNCHING="" # the service start() is launching, until its pid is recorded
 STARTED=()   # "name pid" in start order: what this invocation started, and so must stop
 
 say() { printf 'run.sh: %s\n' "$*" >&2; }
@@ -69,6 +70,7 @@ started_at() { ps -o lstart= -p "$1" 2>/dev/null || true; }
 start() {
     local name=$1 pid
     shift
+    LAUNCHING=$name  # a signal before the pid is recorded: cleanup records it from $!
     if command -v setsid >/dev/null 2>&1; then
         setsid "$@" </dev/null >"$STATE/logs/$name.log" 2>&1 &
     else
@@ -77,6 +79,7 @@ start() {
     pid=$!
     STARTED+=("$name $pid")
     printf '%s %s %s\n' "$name" "$pid" "$(started_at "$pid" | tr ' ' '_')" >>"$STATE/pids"
+    LAUNCHING=""
 }
 
 is_ours() {  # is_ours PID STARTED: the same process that we started (not a reused pid)?
@@ -145,6 +148,11 @@ cleanup() {
     local code=$? status=0
     trap - EXIT INT TERM
     if [[ $STARTING -eq 1 ]]; then
+        local last=${!:-}
+        if [[ -n $LAUNCHING && -n $last ]] && ! grep -q "^[^ ]* $last " "$STATE/pids"; then
+            printf '%s %s %s\n' "$LAUNCHING" "$last" "$(started_at "$last" | tr ' ' '_')" >>"$STATE/pids"
+            STARTED+=("$LAUNCHING $last")
+        fi
         say "stopping ${#STARTED[@]} processes"
         stop_from "$STATE/pids" || status=1
         mv "$STATE/pids" "$STATE/pids.stopped"
@@ -152,11 +160,20 @@ cleanup() {
             rm -f "$POINTER"
         fi
     fi
-    if [[ $code -ne 0 && -n $STATE && -d $STATE/logs ]]; then
-        say "logs: $STATE/logs"
-    fi
-    if [[ $OWN_STATE -eq 1 && $KEEP -eq 0 && $code -eq 0 ]]; then
+    if [[ $OWN_STATE -eq 1 && $KEEP -eq 0 ]]; then
+        # Our own temp dir goes on every exit path (it holds the secrets); on a failure,
+        # show the end of each log first.
+        if [[ $code -ne 0 && -d $STATE/logs ]]; then
+            for log in "$STATE"/logs/*.log; do
+                [[ -s $log ]] || continue
+                say "last lines of $(basename "$log"):"
+                tail -n 5 "$log" | sed 's/^/    /' >&2
+            done
+            say "rerun with --keep (or --state DIR) to keep the logs"
+        fi
         rm -rf "$STATE"
+    elif [[ $code -ne 0 && -n $STATE && -d $STATE/logs ]]; then
+        say "logs: $STATE/logs"
     fi
     [[ $status -ne 0 && $code -eq 0 ]] && code=1
     exit "$code"
@@ -266,6 +283,8 @@ case $MODE in
         print_endpoints
         if [[ $DETACH -eq 1 ]]; then
             trap - EXIT INT TERM
+            # `run.sh down` removes a temp dir that run.sh made (secrets included).
+            [[ $OWN_STATE -eq 1 && $KEEP -eq 0 ]] && : >"$STATE/.remove-on-down"
             say "running detached; stop with: $0 down${OFFSET:+ --offset $OFFSET}"
             exit 0
         fi
@@ -287,7 +306,12 @@ case $MODE in
         if [[ -f $POINTER && "$(cat "$POINTER")" == "$STATE" ]]; then
             rm -f "$POINTER"
         fi
-        say "stopped (logs: $STATE/logs)"
+        if [[ -f $STATE/.remove-on-down ]]; then
+            rm -rf "$STATE"
+            say "stopped; removed $STATE"
+        else
+            say "stopped (logs: $STATE/logs)"
+        fi
         exit "$status"
         ;;
     *)

@@ -329,14 +329,16 @@ class Demo:
         acc = measure(traffic.log, self.rule.limit, self.rule.window_us, self.start_us, self.end_us)
         for line in self.summary(acc):
             self.print(line)
-        if self.plot and self.signal is None and code == 0:
+        # Ctrl-C or SIGTERM still gets the plot of what ran; a second signal skips it.
+        if self.plot and not self.forced and (code == 0 or self.signal is not None):
             try:
                 write_plot(self.plot, self._plot_data(acc))
             except (OSError, ValueError) as exc:
                 print(f"geolimit demo: error: cannot write the plot {self.plot!r}: {exc}", file=sys.stderr)
-                code = 1
+                code = 1 if self.signal is None else code
             else:
-                self.print(f"  plot          {self.plot}")
+                partial = " (the run up to the interruption)" if self.signal is not None else ""
+                self.print(f"  plot          {self.plot}{partial}")
         return self._problems(code)
 
     def summary(self, acc: Accuracy) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 
 from geolimit.errors import GeolimitError
 from geolimit.proxy.config import ProxyConfig, load_proxy_config
@@ -42,7 +43,7 @@ async def _serve(config: ProxyConfig, path: str) -> int:
         try:
             await proxy.start()
         except (GeolimitError, OSError) as exc:
-            log.error("proxy failed to start: %s", exc)
+            print(f"geolimit: error: proxy failed to start: {exc}", file=sys.stderr)
             return 1
         await stop.wait()
         log.info("proxy: stopping (in-flight requests may take up to %.1fs)", proxy.config.shutdown_timeout)

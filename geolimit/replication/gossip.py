@@ -320,7 +320,11 @@ class GossipEngine(Receiver):
         now = self.clock()
         if peer.failures:
             log.info("region %s: peer %s reachable again after %d failures", self.region, peer.name, peer.failures)
+            # Exchanges failed while the link was down: that says nothing of the next
+            # one, which repairs what the outage missed and should start at once.
             peer.ae_needed = True
+            peer.ae_failures = 0
+            peer.ae_retry_at = 0.0
         peer.failures = 0
         peer.last_ok = peer.last_heard = now
         peer.next_attempt = 0.0
@@ -330,6 +334,7 @@ class GossipEngine(Receiver):
         peer.errors += 1
         peer.refused += packed.cells
         peer.last_error = str(exc)[:300]
+        peer.last_error_at = self.clock()
         peer.ae_needed = True
         self.stats["refused_by_peers"] += packed.cells
         log.error("region %s: %s refused a batch of %d cells (dropped; anti-entropy repairs it): %s",
@@ -339,6 +344,7 @@ class GossipEngine(Receiver):
         peer.failures += 1
         peer.errors += 1
         peer.last_error = str(exc)[:300]
+        peer.last_error_at = self.clock()
         backoff = min(self.settings.max_backoff, self.settings.interval * 2 ** min(peer.failures, 16))
         peer.next_attempt = self.clock() + backoff * self.rng.uniform(0.5, 1.0)
         if peer.failures in (1, 10) or peer.failures % 100 == 0:

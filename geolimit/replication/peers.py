@@ -34,6 +34,7 @@ class PeerState:
     failures: int = 0
     errors: int = 0
     last_error: str | None = None
+    last_error_at: float | None = None  # when (engine clock) last_error happened
     next_attempt: float = 0.0
     reach: dict[str, float] = field(default_factory=dict)
     reach_at: float = 0.0

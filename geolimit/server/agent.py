@@ -383,6 +383,7 @@ class Agent:
                     "errors": peer.errors,
                     "consecutive_failures": peer.failures,
                     "last_error": peer.last_error,
+                    "last_error_age": None if peer.last_error_at is None else round(now - peer.last_error_at, 3),
                     "cells_sent": peer.cells_sent,
                     "cells_received": peer.cells_received,
                     "anti_entropy_ok": peer.ae_ok,

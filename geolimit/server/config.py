@@ -457,7 +457,10 @@ def parse_rule_groups(raw: object, src: str) -> dict[str, tuple[Rule, ...]]:
             else:
                 new = [Rule(name, rates[0][0], rates[0][1], resolution, mode, **options)]
         except GeolimitError as exc:
-            raise ConfigError(f"{src}: {where}: {exc}") from None
+            detail = str(exc)
+            # Rule() already names the rule ("rule 'api': ..."): do not say it twice.
+            prefix = "" if detail.startswith(f"{where}:") or detail.startswith(f"rule {name!r}:") else f"{where}: "
+            raise ConfigError(f"{src}: {prefix}{detail}") from None
         for rule in new:
             if name in groups or any(r.name == rule.name for r in rules):
                 raise ConfigError(f"{src}: {where}: duplicate rule name {name if name in groups else rule.name!r}")

@@ -154,7 +154,8 @@ async def _supervise(agent: Agent, config: AgentConfig, stop: asyncio.Event, flu
     try:
         await agent.start()
     except (GeolimitError, OSError, ssl.SSLError) as exc:
-        log.error("agent %s failed to start: %s", config.region, exc)
+        what = str(exc) if isinstance(exc, GeolimitError) else f"agent {config.region} failed to start: {exc}"
+        print(f"geolimit: error: {what}", file=sys.stderr, flush=True)
         await agent.abort()
         return 1
     waiter = asyncio.ensure_future(agent.wait())

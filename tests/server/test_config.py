@@ -311,8 +311,9 @@ def test_rule_policies_are_parsed(tmp_path: Path) -> None:
     (rule,) = load_config(config).rules
     assert (rule.partition, rule.partition_after, rule.predict) == ("share", 2.0, False)
     config.write_text(config.read_text().replace('"share"', '"open"'))
-    with pytest.raises(ConfigError, match="partition must be"):
+    with pytest.raises(ConfigError, match="partition must be") as info:
         load_config(config)
+    assert str(info.value).count("rule 'api'") == 1, "the rule is named once"
 
 
 def test_workers_default_to_one_and_take_a_fixed_port(tmp_path: Path, secret: bytes) -> None:

@@ -32,7 +32,8 @@ def test_debian_redis_server_symlink_starts_a_real_server(monkeypatch: pytest.Mo
         client = server.client()
         try:
             assert client.ping() is True
-            assert client.set("k", "v") is True and client.get("k") == "v"
+            assert client.set("k", "v") is True
+            assert client.get("k") == "v"
             assert client.info("server")["executable"].endswith("redis-server")
         finally:
             client.close()

@@ -65,7 +65,7 @@ local function num(s)
 end
 
 local blob, nb = {slots}, 1
-local moved, done, rest = {}, {}, {}
+local moved, done, rest, empty = {}, {}, {}, {}
 local nm, nd = 0, 0
 local nkeys, ncells, unknown, bad = 0, 0, 0, 0
 local head = #tag + 2
@@ -82,6 +82,7 @@ for i = 1, #taken, 2 do
   local spec = stop and rules[string.sub(suffix, 1, stop - 1)]
   if not spec or not from then
     unknown = unknown + 1
+    empty[#empty + 1] = key
   else
     local N, M, c = spec[2], spec[3], spec[4]
     local lo = from
@@ -188,6 +189,8 @@ for i = 1, #taken, 2 do
       nkeys = nkeys + 1
       ncells = ncells + n4 / 4
       moved[nm + 1], moved[nm + 2], nm = key, entry, nm + 2
+    else
+      empty[#empty + 1] = key  -- nothing to send: leaves the outbox, not put in flight
     end
   end
 end
@@ -197,6 +200,7 @@ local emptied = whole and nd * 2 == #taken
 local queued_at = nm > 0 and call('GET', since)
 if emptied and nm > 0 and call('EXISTS', flight) == 0 then
   call('RENAME', box, flight)  -- O(1): the flight holds key -> entry fields (in_flight reads both layouts)
+  if #empty > 0 then chunked('HDEL', flight, empty, 1000) end
 else
   if emptied then call('UNLINK', box) else chunked('HDEL', box, done, 1000) end
   if nm > 0 then

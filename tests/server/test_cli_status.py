@@ -1,0 +1,67 @@
+"""`geolimit status` against a real agent: hints on the gossip port and on a 401, whole last errors."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import socket
+from pathlib import Path
+
+from geolimit.store.embedded import EmbeddedRedis
+from tests.server.helpers import AgentProcess, cli, dump_toml, region_config, write_secret
+from tests.support.regions import dead_url, eventually
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_status_hints_at_api_listen_and_token_file_and_shows_whole_errors(
+    tmp_path: Path, region_redis: EmbeddedRedis, running: list[AgentProcess]
+) -> None:
+    write_secret(tmp_path / "gossip.key")
+    token = secrets.token_urlsafe(24)
+    (tmp_path / "api.token").write_text(token + "\n")
+    api_port = _free_port()
+    data = region_config(region_redis.url, peers=[{"name": "b", "url": dead_url()}])
+    data["region"].update({"api_listen": f"127.0.0.1:{api_port}", "api_token_file": "api.token"})
+    (tmp_path / "region.toml").write_text(dump_toml(data))
+    agent = await AgentProcess.start(tmp_path / "region.toml", "--flush-timeout", "1")
+    running.append(agent)
+    gossip_url, api_url = await agent.url(), f"http://127.0.0.1:{api_port}"
+
+    on_gossip = await cli("status", "--agent", gossip_url)
+    assert on_gossip.code == 2
+    assert on_gossip.stderr.startswith("geolimit: error: ")
+    assert "404" in on_gossip.stderr
+    assert "api_listen" in on_gossip.stderr
+
+    async def answers_401() -> bool:
+        ran = await cli("status", "--agent", api_url)
+        return "401" in ran.stderr
+
+    await eventually(answers_401, timeout=20, what=f"the API port answering; log:\n{agent.log}")
+    without = await cli("status", "--agent", api_url)
+    assert without.code == 2
+    assert "--token-file" in without.stderr
+
+    (tmp_path / "wrong.token").write_text("not-the-token")
+    wrong = await cli("status", "--agent", api_url, "--token-file", str(tmp_path / "wrong.token"))
+    assert wrong.code == 2
+    assert "does not match" in wrong.stderr
+
+    token_file = str(tmp_path / "api.token")
+
+    async def whole_error_shown() -> bool:
+        raw = await cli("status", "--agent", api_url, "--token-file", token_file, "--json")
+        error = json.loads(raw.stdout)["peers"]["b"]["last_error"]
+        shown = await cli("status", "--agent", api_url, "--token-file", token_file)
+        rows = [line for line in shown.stdout.splitlines() if line.startswith("b ")]
+        return bool(error) and len(error) > 60 and bool(rows) and rows[0].endswith(error)
+
+    await eventually(whole_error_shown, timeout=20, what="peer b's last error shown whole (> 60 characters)")
+    agent.proc.send_signal(signal.SIGTERM)
+    assert await agent.wait(timeout=20) == 0
