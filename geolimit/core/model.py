@@ -7,11 +7,12 @@ it and a whole multi-region cluster can be simulated without Redis.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from geolimit.core.gcounter import Cell, KeyState, effective, join, parse_slot_id, slot_id
-from geolimit.core.policy import reserve
+from geolimit.core.policy import Reservation, predicted_retry, reserve
 from geolimit.core.rule import Rule
 from geolimit.core.window import (
     SUBSTEPS,
@@ -61,10 +62,10 @@ class ModelStore:
                         out[delta] = min(out[delta], cell.value % SUBSTEPS)
         return out
 
-    def reservation(self, rule: Rule, subject: bytes, now_us: int) -> tuple[float, bool]:
+    def reservation(self, rule: Rule, subject: bytes, now_us: int) -> Reservation:
         """Units set aside for peers, and whether policy ``closed`` denies."""
         if not (rule.predict or rule.partition != "local"):
-            return 0.0, False
+            return Reservation(0.0, False)
         state = self.keys.get((rule.name, subject), {})
         current = bucket_of(now_us, rule.resolution_us)
         counts: dict[str, int] = {}
@@ -88,7 +89,9 @@ class ModelStore:
             recent=recent, latest=latest, known_until=self.peer_known, regions=self.regions, predict=rule.predict,
             partition=rule.partition, partition_after_us=rule.partition_after_us,
         )
-        return found.units, found.closed
+        if not found.units and not found.closed:
+            return Reservation(0.0, False)
+        return found
 
     def hit(
         self,
@@ -103,9 +106,9 @@ class ModelStore:
         held = [self.reservation(rule, subject, now_us) for rule in rules]
         firsts = [self.firsts(rule, subject, now_us) for rule in rules]
         admitted = all(
-            not closed
-            and evaluate(s, f, now_us, cost, r.limit, r.resolution_us, r.mode == "approximate", False, units, fs).allowed
-            for r, (s, f), (units, closed), fs in zip(rules, windows, held, firsts, strict=True)
+            not h.closed
+            and evaluate(s, f, now_us, cost, r.limit, r.resolution_us, r.mode == "approximate", False, h.units, fs).allowed
+            for r, (s, f), h, fs in zip(rules, windows, held, firsts, strict=True)
         )
         consumed = admitted and consume
         if consumed and cost > 0:
@@ -116,9 +119,14 @@ class ModelStore:
                 value = cell.value or first_offset(now_us, rule.resolution_us)
                 state[bucket][self.own_slot] = Cell(value + cost * SUBSTEPS, cell.floor)
         out = []
-        for r, (s, f), (units, closed), fs in zip(rules, windows, held, firsts, strict=True):
-            result = evaluate(s, f, now_us, cost, r.limit, r.resolution_us, r.mode == "approximate", consumed, units, fs)
-            if closed:
+        for r, (s, f), h, fs in zip(rules, windows, held, firsts, strict=True):
+            approx = r.mode == "approximate"
+            result = evaluate(s, f, now_us, cost, r.limit, r.resolution_us, approx, consumed, h.units, fs)
+            if h.predicted > 0 and result.retry_after_us > 0:
+                plain = evaluate(s, f, now_us, cost, r.limit, r.resolution_us, approx, False, h.units - h.predicted, fs)
+                retry = predicted_retry(result.retry_after_us, plain.retry_after_us, h.predicted_until_us, now_us)
+                result = dataclasses.replace(result, retry_after_us=retry)
+            if h.closed:
                 result = Evaluation(False, result.used, r.resolution_us, result.reset_after_us)
             out.append(result)
         return out

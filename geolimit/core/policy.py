@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["PARTITION_POLICIES", "Reservation", "reserve"]
+__all__ = ["PARTITION_POLICIES", "Reservation", "predicted_retry", "reserve"]
 
 PARTITION_POLICIES = ("local", "share", "closed")
 
@@ -36,6 +36,22 @@ PARTITION_POLICIES = ("local", "share", "closed")
 class Reservation:
     units: float  # extra count the decision must assume
     closed: bool  # a partitioned peer and policy "closed": deny
+    predicted: float = 0.0  # the part of ``units`` predicted from peers' rates (policy "local" only)
+    predicted_until_us: int = 0  # when, with no news from the peers, that prediction is gone
+
+
+def predicted_retry(retry_us: int, plain_retry_us: int, predicted_until_us: int, now_us: int) -> int:
+    """``retry_after`` of a request that a predicted reserve may be denying.
+
+    With no new traffic the prediction is gone at ``predicted_until_us`` (the
+    peers' counts are then ``partition_after`` old), so the request is admitted
+    by then or when its window alone admits it (``plain_retry_us``: the retry
+    without the predicted units), whichever is later; never later than
+    ``retry_us`` itself.
+    """
+    if retry_us <= 0:
+        return retry_us
+    return min(retry_us, max(plain_retry_us, predicted_until_us - now_us))
 
 
 def reserve(
@@ -61,6 +77,8 @@ def reserve(
     """
     units = 0.0
     closed = False
+    predicted = 0.0
+    ends = 0
     current = now_us // resolution_us
     start = (current - 1) * resolution_us
     for region, until in known_until.items():
@@ -84,4 +102,9 @@ def reserve(
                 if now_rate > rate:
                     rate = now_rate
             units += rate * stale
-    return Reservation(units, closed)
+            predicted += rate * stale
+            # Once its counts are older than partition_after, a peer is no longer predicted for.
+            ends = max(ends, until + partition_after_us + 1)
+    if partition != "local":
+        predicted, ends = 0.0, 0  # the share/closed policy takes over afterwards: no cap
+    return Reservation(units, closed, predicted, ends)

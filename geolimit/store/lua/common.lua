@@ -218,7 +218,7 @@ local function reservation(info, slots, own_region, limit, res, now, predict, pa
       latest[r] = (latest[r] or 0) + t[3]
     end
   end
-  local units, closed = 0, false
+  local units, closed, predicted, ends = 0, false, 0, 0
   local start = (bucket(now, res) - 1) * res
   for r, untl in pairs(known) do
     if r ~= own_region then
@@ -242,10 +242,13 @@ local function reservation(info, slots, own_region, limit, res, now, predict, pa
           if now_rate > rate then rate = now_rate end
         end
         units = units + rate * stale
+        predicted = predicted + rate * stale
+        -- Once its counts are older than `after`, a peer is no longer predicted for.
+        if untl + after + 1 > ends then ends = untl + after + 1 end
       end
     end
   end
-  return units, closed
+  return units, closed, predicted, ends
 end
 
 -- Does the window admit cost more? (count the partial oldest bucket fully in
@@ -342,4 +345,17 @@ local function evaluate(sums, firsts, futs, N, now, cost, limit, res, approx, co
     if reset < 0 then reset = 0 end
   end
   return allowed, used, retry, reset
+end
+
+-- retry_after when part of the reserve is predicted for peers (policy local):
+-- with no new traffic that part is gone once the peers' counts are `after` old
+-- (at `ends`), so a request is admitted by then or by when its window alone
+-- admits it (`plain`), whichever is later; never later than `retry` itself.
+local function predicted_retry(retry, sums, firsts, futs, N, now, cost, limit, res, approx, reserve, predicted, ends)
+  if predicted <= 0 or retry <= 0 then return retry end
+  local _, _, plain = evaluate(sums, firsts, futs, N, now, cost, limit, res, approx, false, reserve - predicted)
+  local bound = ends - now
+  if plain > bound then bound = plain end
+  if bound < retry then return bound end
+  return retry
 end

@@ -25,22 +25,26 @@ for _ = 1, tonumber(ARGV[4]) do
     local c = bucket(now, res)
     local watch = predict or partition > 0
     local sums, futs, h, own, stale, slots, firsts, e = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
-    local reserve, closed = 0, false
+    local reserve, closed, predicted, ends = 0, false, 0, 0
     if watch and (partition > 0 or has_remote(slots)) then
       info = info or load_peers(reg, peers)
-      reserve, closed = reservation(info, slots or {}, region, limit, res, now, predict, partition, tonumber(ARGV[ai + 8]))
+      reserve, closed, predicted, ends = reservation(info, slots or {}, region, limit, res, now, predict, partition,
+                                                     tonumber(ARGV[ai + 8]))
+      if partition ~= 0 then predicted = 0 end  -- the share/closed policy takes over afterwards: no cap
     end
     -- One rule: evaluate() below answers the same, so skip this pass.
     if closed or (nr > 1 and not admits(sums, futs, firsts, N, now, cost, limit, res, approx, reserve)) then
       res_all = false
     end
-    rs[j] = {sums, futs, N, limit, res, approx, c, M, tonumber(ARGV[ai + 4]), h, own, stale, reserve, closed, firsts, e}
+    rs[j] = {sums, futs, N, limit, res, approx, c, M, tonumber(ARGV[ai + 4]), h, own, stale, reserve, closed, firsts, e,
+             predicted, ends}
     ai = ai + 9
   end
   local single
   if nr == 1 and res_all then
     local r = rs[1]
     single = {evaluate(r[1], r[15], r[2], r[3], now, cost, r[4], r[5], r[6], consume, r[13])}
+    single[3] = predicted_retry(single[3], r[1], r[15], r[2], r[3], now, cost, r[4], r[5], r[6], r[13], r[17], r[18])
     res_all = single[1]
   end
   local consumed = res_all and consume
@@ -75,6 +79,7 @@ for _ = 1, tonumber(ARGV[4]) do
       ok, used, retry, reset = single[1], single[2], single[3], single[4]
     else
       ok, used, retry, reset = evaluate(r[1], r[15], r[2], r[3], now, cost, r[4], r[5], r[6], consumed, r[13])
+      retry = predicted_retry(retry, r[1], r[15], r[2], r[3], now, cost, r[4], r[5], r[6], r[13], r[17], r[18])
     end
     if r[14] then
       ok, retry = false, r[5]

@@ -1,0 +1,83 @@
+"""Prediction never makes retry_after lie: a client that waits it out is admitted.
+
+Prediction reserves units for what peers probably admitted since their last
+update. With no new traffic that reserve is gone once the peers' counts are
+``partition_after`` old, so ``retry_after`` is at most that, or when the window
+alone admits the request. The model decides as ``hit.lua`` does (pinned by
+tests/store/test_policy_lua_matches_model.py, which covers these paths).
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from geolimit import Rule
+from geolimit.core.gcounter import Cell
+from geolimit.core.model import ModelStore
+from geolimit.core.window import SUBSTEPS
+
+T0 = 1_700_000_000_000_000
+SECOND = 1_000_000
+
+
+def region(rule: Rule, peer_hits: list[tuple[int, int]], known_age_us: int, now: int) -> ModelStore:
+    """This region, having heard of ``(hits, seconds ago)`` from peer "east", whose counts are ``known_age_us`` old."""
+    model = ModelStore("north", regions=3)
+    for hits, ago in peer_hits:
+        bucket = (now - ago * SECOND) // rule.resolution_us
+        model.merge(rule.name, b"u", {bucket: {"east/i1": Cell(hits * SUBSTEPS, 0)}})
+    model.peer_known = {"east": now - known_age_us, "west": now}
+    return model
+
+
+def test_a_fresh_peer_burst_denies_for_at_most_the_prediction_not_the_window() -> None:
+    """The issue's case: east took 6 of 10/60s; 0.4 s later north was told to wait 60.49 s."""
+    rule = Rule("otp", 10, 60, 1)
+    now = T0 + 100_000
+    model = region(rule, [(6, 0)], known_age_us=400_000, now=now)
+    model.hit([rule], b"u", 3, now - 10)  # north's own 3
+    (first,) = model.hit([rule], b"u", 1, now, consume=False)
+    assert not first.allowed, "6 + 3 + the predicted burst leave no room"
+    assert 0 < first.retry_after_us <= rule.partition_after_us + SECOND // 10
+    (later,) = model.hit([rule], b"u", 1, now + first.retry_after_us, consume=False)
+    assert later.allowed, "waiting retry_after is enough when nothing new happens"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    limit=st.integers(1, 30),
+    buckets=st.integers(1, 6),
+    after_ms=st.integers(100, 3000),
+    peer_hits=st.lists(st.tuples(st.integers(1, 20), st.integers(0, 8)), max_size=4),
+    own=st.integers(0, 20),
+    age_us=st.integers(1, 3 * SECOND),
+    into=st.integers(0, SECOND - 1),
+    cost=st.integers(1, 5),
+    approx=st.booleans(),
+)
+def test_retry_after_never_points_past_the_first_admission(
+    limit: int, buckets: int, after_ms: int, peer_hits: list[tuple[int, int]], own: int, age_us: int,
+    into: int, cost: int, approx: bool,
+) -> None:
+    """With no new traffic, retry_after never points past the first time the request is
+    admitted, and once the prediction has expired, waiting retry_after is enough."""
+    rule = Rule("api", limit, buckets, 1, "approximate" if approx else "strict", partition_after=after_ms / 1000)
+    now = T0 + 10 * SECOND + into
+    model = region(rule, peer_hits, age_us, now)
+    if own:
+        model.hit([rule], b"u", min(own, limit), now - 1)
+    (got,) = model.hit([rule], b"u", cost, now, consume=False)
+    if got.allowed or got.retry_after_us < 0:
+        return
+    retry = got.retry_after_us
+    ends = model.reservation(rule, b"u", now).predicted_until_us
+
+    def admitted(at: int) -> bool:
+        return model.hit([rule], b"u", cost, at, consume=False)[0].allowed
+
+    res = rule.resolution_us
+    candidates = {now + retry // 2, ends, *range((now // res + 1) * res, now + retry, res)}
+    early = sorted(t for t in candidates if now <= t < now + retry and admitted(t))
+    assert not early, f"retry_after {retry} us, but admitted {early[0] - now} us after the denial"
+    assert admitted(now + max(retry, ends - now)), "once the prediction expired, retry_after is enough"
