@@ -36,6 +36,9 @@ __all__ = ["EngineSettings", "GossipEngine", "PeerState"]
 
 log = logging.getLogger("geolimit.gossip")
 
+#: Shards whose outbox for an unreachable peer is pruned each round (a page each).
+PRUNE_SHARDS = 4
+
 #: Age reported for a peer never heard from (about a year).
 NEVER_HEARD_US = 365 * 86_400 * 1_000_000
 
@@ -70,7 +73,7 @@ class GossipEngine(Receiver):
         self.stats: dict[str, float] = dict.fromkeys(
             ("rounds", "round_seconds", "drained", "unknown_rule", "merged", "increased", "bad_values", "relayed",
              "dropped_old", "dropped_future", "own_ahead", "ae_runs", "ae_failed", "ae_cells", "ae_keys_repaired",
-             "wipes", "refused", "refused_by_peers"), 0.0
+             "wipes", "refused", "refused_by_peers", "pruned"), 0.0
         )
         self.repair = AntiEntropyDriver(self)
 
@@ -86,6 +89,7 @@ class GossipEngine(Receiver):
             await self._drain(now)
         await self._resettle()
         self._start_sends(now)
+        await self._prune()
         self.repair.start_due(now)
         self.stats["rounds"] += 1
         self.stats["round_seconds"] = self.clock() - started
@@ -106,6 +110,21 @@ class GossipEngine(Receiver):
         for peer in self.peers.values():
             peer.pending = drained.pending.get(peer.name, {})
             peer.oldest_us = drained.oldest_us.get(peer.name)
+
+    async def _prune(self) -> None:
+        """While a peer is unreachable, drop its outbox entries of keys that expired.
+
+        Nothing is packed for it meanwhile (only small probes), so without this an
+        outbox would keep an entry for every key changed during the partition.
+        Bounded: a page of each of :data:`PRUNE_SHARDS` shards per peer and round.
+        """
+        owned = self.store.owned
+        for peer in self.peers.values():
+            if not peer.failures or not owned:
+                continue
+            shards = [owned[(peer.prune_next + i) % len(owned)] for i in range(min(PRUNE_SHARDS, len(owned)))]
+            peer.prune_next = (peer.prune_next + len(shards)) % len(owned)
+            self.stats["pruned"] += await self.store.prune(peer.name, peer.prune_cursors, shards)
 
     async def _resettle(self) -> None:
         """Return in-flight batches whose outcome could not be recorded (Redis was down)."""

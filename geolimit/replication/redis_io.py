@@ -37,6 +37,7 @@ _DRAIN = load_script("drain")
 _PACK = load_script("pack")
 _SETTLE = load_script("settle")
 _MERGE = load_script("merge")
+_PRUNE = load_script("prune")
 
 #: In-flight message slots per peer (drain.lua forgets slots 0..7 of removed peers).
 MAX_WINDOW = 8
@@ -212,6 +213,20 @@ class ReplicationStore:
         mode = b"ack" if delivered else b"nack"
         calls = [[b"1", self._registry(s), self._clock_arg(), peer.encode(), b"%d" % slot, mode] for s in shards]
         _checked(await self.store.run_many(_SETTLE, calls))
+
+    async def prune(self, peer: str, cursors: dict[int, bytes], shards: Sequence[int], count: int = 500) -> int:
+        """Drop ``peer``'s outbox entries of keys that expired, one ``HSCAN`` page per shard.
+
+        ``cursors`` (shard -> cursor) carries each shard's scan from call to call.
+        Returns the entries dropped.
+        """
+        name = peer.encode()
+        calls = [[b"1", self._registry(s), name, cursors.get(s, b"0"), b"%d" % count] for s in shards]
+        dropped = 0
+        for shard, reply in zip(shards, _checked(await self.store.run_many(_PRUNE, calls)), strict=True):
+            cursors[shard] = bytes(reply[0])
+            dropped += int(reply[2])
+        return dropped
 
     async def recover(self, window: int = MAX_WINDOW) -> None:
         """Return every in-flight batch to its outbox (after a crash or restart)."""

@@ -96,3 +96,24 @@ async def test_a_returned_batch_keeps_its_age_in_the_lag(limiter: AsyncLimiter) 
     again = await store.drain()
     assert sum(again.pending["b"].values()) == 1
     assert again.oldest_us["b"] == queued, "the lag counts from the first queueing, not from the retry"
+
+
+async def test_an_unreachable_peers_outbox_drops_keys_that_expired(limiter: AsyncLimiter, raw_client: AnyRedis) -> None:
+    store = _store(limiter, ["b"])
+    await store.drain()
+    subjects = [f"u{i}" for i in range(200)]
+    for subject in subjects:
+        await limiter.hit("api", subject)
+    drained = await store.drain()
+    assert sum(drained.pending["b"].values()) == 200
+    for subject in subjects[:150]:  # as if they expired while b was cut off
+        raw_client.delete(limiter.layout.data_key("api", subject.encode()))
+    cursors: dict[int, bytes] = {}
+    dropped = await store.prune("b", cursors, store.owned, count=10)
+    while any(c != b"0" for c in cursors.values()):
+        dropped += await store.prune("b", cursors, [s for s, c in cursors.items() if c != b"0"], count=10)
+    assert dropped == 150
+    left = await store.drain()
+    assert sum(left.pending["b"].values()) == 50, "live keys stay queued"
+    packed = await store.pack("b", 0, sorted(left.pending["b"]))
+    assert packed.keys == 50

@@ -166,3 +166,33 @@ def test_periodic_anti_entropy_waits_ten_times_its_last_duration_and_never_less_
     assert periodic_wait(30.0, 0.2) == 30.0  # a small keyspace: the configured interval
     assert periodic_wait(30.0, 9.5) == 95.0  # 1M keys, 9.5 s an exchange: at most ~10% of the time
     assert periodic_wait(300.0, 9.5) == 300.0
+
+
+async def test_an_unreachable_peers_outbox_forgets_keys_that_expired_meanwhile(pair: Regions) -> None:
+    rs = pair
+    rs.cut("a", "b")
+    app = rs["a"].app()
+    for i in range(20):
+        app.hit("api", f"gone{i}")
+    app.hit("api", "kept", cost=2)
+    engine = rs["a"].agent.engine
+    assert engine is not None
+    await rs.step(2, ["a"])
+    assert engine.peers["b"].failures > 0
+    assert rs["a"].agent.status()["peers"]["b"]["outbox"] == 21
+    client = rs["a"].client()
+    for i in range(20):  # as if they expired while b was unreachable
+        client.delete(KeyLayout().data_key("api", b"gone%d" % i))
+    # A long backoff: no probe packs (which would skip those keys too) until the heal,
+    # so pruning alone (a page of 4 shards a round: 16 rounds cover the 64) drops them.
+    engine.peers["b"].next_attempt = float("inf")
+    for _ in range(40):
+        await rs.step(1, ["a"])
+        if rs["a"].agent.status()["peers"]["b"]["outbox"] == 1:
+            break
+    assert rs["a"].agent.status()["peers"]["b"]["outbox"] == 1, "only the live key stays queued"
+    assert engine.stats["pruned"] == 20
+    engine.peers["b"].next_attempt = 0.0
+    rs.heal("a", "b")
+    await rs.step(3)
+    assert rs["b"].app().usage("api", "kept").by_region == {"a": 2}
