@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -46,6 +47,8 @@ BODY = json.dumps({"ok": True, "items": list(range(16))}).encode()
 def serve_upstream() -> None:
     from aiohttp import web
 
+    from geolimit.http.listener import listen
+
     async def handler(_: web.Request) -> web.Response:
         return web.Response(body=BODY, content_type="application/json")
 
@@ -54,9 +57,8 @@ def serve_upstream() -> None:
         app.router.add_get("/{tail:.*}", handler)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
-        await site.start()
-        print(site._server.sockets[0].getsockname()[1], flush=True)  # type: ignore[union-attr]
+        _, port = await listen(runner, "127.0.0.1", 0)
+        print(port, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
         await runner.cleanup()
 
@@ -276,8 +278,10 @@ def run(args: argparse.Namespace) -> int:
          f"{ratio:.0%} of direct", f">= {TARGET_RATIO:.0%}", "PASS" if ratio >= TARGET_RATIO else "MISS"),
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     print(f"\ngeolimit proxy overhead: {args.rounds} interleaved rounds, medians over rounds "
-          f"(python {platform.python_version()}, aiohttp {aiohttp.__version__}, {os.cpu_count()} CPUs)")
+          f"(python {platform.python_version()}, aiohttp {aiohttp.__version__}, proxy on {loop}, "
+          f"{os.cpu_count()} CPUs)")
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     print(f"Redis decisions made by the proxy during the rounds: {decided:.0f} "

@@ -37,7 +37,7 @@ def test_agent_on_a_port_in_use_is_a_one_line_error(tmp_path: Path, redis_url: s
     assert out.returncode == 1, out.stderr
     errors = [line for line in out.stderr.splitlines() if "error" in line.lower()]
     assert errors == [f"geolimit: error: agent a: cannot listen: {errors[0].partition('cannot listen: ')[2]}"], out.stderr
-    assert "address already in use" in errors[0]
+    assert "address already in use" in errors[0].lower()
     assert "Traceback" not in out.stderr
 
 

@@ -51,20 +51,21 @@ from geolimit.core.rule import Rule
 from geolimit.errors import ConfigError
 from geolimit.http.guard import LimitSpec, RoutePolicy
 from geolimit.http.keys import CostSpec, KeySpec, Route, trusted_networks
-from geolimit.limiter_base import validate_region
-from geolimit.server.config import (
+from geolimit.toml_config import (
     check_keys,
     get_table,
     load_toml,
     parse_listen,
+    parse_log,
     parse_positive_int,
+    parse_redis_url,
+    parse_region,
     parse_rule_groups,
     parse_seconds,
-    read_secret,
+    read_token,
     require,
     resolve_path,
 )
-from geolimit.store.connect import split_cluster_url
 
 __all__ = ["ProxyConfig", "load_proxy_config", "parse_proxy_config"]
 
@@ -75,8 +76,6 @@ _PROXY_KEYS = {
 }
 _ROUTE_KEYS = {"path", "methods", "limits"}
 _LIMIT_KEYS = {"rule", "key", "cost", "shadow", "on_error"}
-_LOG_KEYS = {"format", "level"}
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _METHOD_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
 
@@ -122,13 +121,36 @@ def load_proxy_config(path: str | os.PathLike[str]) -> ProxyConfig:
 
 
 def parse_proxy_config(data: Mapping[str, Any], path: Path | None = None) -> ProxyConfig:
+    """A :class:`ProxyConfig` from the tables of a proxy TOML file (``path`` names it in errors)."""
     src = str(path) if path else "<config>"
     base = path.parent if path else Path.cwd()
     check_keys(data, {"proxy", "rule", "route", "log"}, src, "")
     proxy = get_table(data, "proxy", src, required=True)
     check_keys(proxy, _PROXY_KEYS, src, "proxy.")
-    opts: dict[str, Any] = {}
-    opts["upstreams"] = _upstreams(proxy, src)
+    opts = _proxy_options(proxy, src)
+    library = _mode(proxy, src, base, opts)
+    rules: tuple[Rule, ...] = ()
+    groups: dict[str, tuple[str, ...]] | None = None
+    if library:
+        if "rule" not in data:
+            raise ConfigError(f"{src}: missing key rule: library mode (proxy.redis_url) needs [[rule]] tables "
+                              f"(name, limit) for the routes' limits")
+        tables = parse_rule_groups(data["rule"], src)
+        rules = tuple(rule for group in tables.values() for rule in group)
+        groups = {name: tuple(r.name for r in group) for name, group in tables.items()}
+        groups.update({r.name: (r.name,) for r in rules})
+    elif "rule" in data:
+        raise ConfigError(f"{src}: unknown key 'rule': in agent mode (proxy.agent_url) the rules are the agent's; "
+                          f"remove the [[rule]] tables")
+    opts["routes"] = _routes(data.get("route", []), src, groups)
+    opts["rules"] = rules
+    opts.update(parse_log(get_table(data, "log", src), src))
+    return ProxyConfig(path=path, **opts)
+
+
+def _proxy_options(proxy: Mapping[str, Any], src: str) -> dict[str, Any]:
+    """The ``[proxy]`` keys but the mode's (redis_url, agent_url, agent_token_file) as ProxyConfig fields."""
+    opts: dict[str, Any] = {"upstreams": _upstreams(proxy, src)}
     if "listen" in proxy:
         opts["listen"] = parse_listen(proxy["listen"], f"{src}: proxy.listen")
     if "admin_listen" in proxy:
@@ -147,34 +169,12 @@ def parse_proxy_config(data: Mapping[str, Any], path: Path | None = None) -> Pro
     if "max_body" in proxy:
         opts["max_body"] = parse_positive_int(proxy["max_body"], src, "proxy.max_body")
     if "region" in proxy:
-        region = require(proxy, "region", str, src, "proxy.region")
-        try:
-            validate_region(region)
-        except ConfigError as exc:
-            raise ConfigError(f"{src}: proxy.region: {exc}") from None
-        opts["region"] = region
+        opts["region"] = parse_region(proxy, "region", src, "proxy.region")
     if "key_prefix" in proxy:
         opts["key_prefix"] = require(proxy, "key_prefix", str, src, "proxy.key_prefix")
     if "shards" in proxy:
         opts["shards"] = parse_positive_int(proxy["shards"], src, "proxy.shards")
-    library = _mode(proxy, src, base, opts)
-    rules: tuple[Rule, ...] = ()
-    groups: dict[str, tuple[str, ...]] | None = None
-    if library:
-        if "rule" not in data:
-            raise ConfigError(f"{src}: missing key rule: library mode (proxy.redis_url) needs [[rule]] tables "
-                              f"(name, limit) for the routes' limits")
-        tables = parse_rule_groups(data["rule"], src)
-        rules = tuple(rule for group in tables.values() for rule in group)
-        groups = {name: tuple(r.name for r in group) for name, group in tables.items()}
-        groups.update({r.name: (r.name,) for r in rules})
-    elif "rule" in data:
-        raise ConfigError(f"{src}: unknown key 'rule': in agent mode (proxy.agent_url) the rules are the agent's; "
-                          f"remove the [[rule]] tables")
-    opts["routes"] = _routes(data.get("route", []), src, groups)
-    opts["rules"] = rules
-    opts.update(_log(get_table(data, "log", src), src))
-    return ProxyConfig(path=path, **opts)
+    return opts
 
 
 def _mode(proxy: Mapping[str, Any], src: str, base: Path, opts: dict[str, Any]) -> bool:
@@ -183,11 +183,7 @@ def _mode(proxy: Mapping[str, Any], src: str, base: Path, opts: dict[str, Any]) 
         raise ConfigError(f"{src}: give exactly one of proxy.redis_url (decide in the region's Redis) and "
                           f"proxy.agent_url (ask the region's agent)")
     if "redis_url" in proxy:
-        url = require(proxy, "redis_url", str, src, "proxy.redis_url")
-        try:
-            split_cluster_url(url)
-        except ConfigError as exc:
-            raise ConfigError(f"{src}: proxy.redis_url: {exc}") from None
+        url = parse_redis_url(proxy, "redis_url", src, "proxy.redis_url")
         if "agent_token_file" in proxy:
             raise ConfigError(f"{src}: proxy.agent_token_file is only used with proxy.agent_url")
         if "region" not in opts:
@@ -197,11 +193,7 @@ def _mode(proxy: Mapping[str, Any], src: str, base: Path, opts: dict[str, Any]) 
     opts["agent_url"] = _http_url(require(proxy, "agent_url", str, src, "proxy.agent_url"), src, "proxy.agent_url")
     if "agent_token_file" in proxy:
         token_file = resolve_path(base, require(proxy, "agent_token_file", str, src, "proxy.agent_token_file"))
-        raw = read_secret(token_file, src, what="proxy.agent_token_file")
-        if not all(0x21 <= b <= 0x7E for b in raw):
-            raise ConfigError(f"{src}: proxy.agent_token_file: {str(token_file)!r} must hold one line of "
-                              f"printable ASCII without spaces")
-        opts["agent_token"] = raw.decode("ascii")
+        opts["agent_token"] = read_token(token_file, src, "proxy.agent_token_file")
     for key in ("key_prefix", "shards"):
         if key in proxy:
             raise ConfigError(f"{src}: proxy.{key} is only used with proxy.redis_url (the agent has its own)")
@@ -307,18 +299,3 @@ def _limit(item: object, src: str, where: str, rules: Mapping[str, tuple[str, ..
                           f"got {on_error!r}")
     return [LimitSpec(name, key, cost, shadow, cast(Literal["allow", "deny"], on_error)) for name in names]
 
-
-def _log(logs: Mapping[str, Any], src: str) -> dict[str, str]:
-    check_keys(logs, _LOG_KEYS, src, "log.")
-    out: dict[str, str] = {}
-    if "format" in logs:
-        fmt = require(logs, "format", str, src, "log.format")
-        if fmt not in ("text", "json"):
-            raise ConfigError(f"{src}: log.format must be 'text' or 'json', got {fmt!r}")
-        out["log_format"] = fmt
-    if "level" in logs:
-        level = require(logs, "level", str, src, "log.level").upper()
-        if level not in _LOG_LEVELS:
-            raise ConfigError(f"{src}: log.level must be one of {', '.join(_LOG_LEVELS)} (any case), got {level!r}")
-        out["log_level"] = level
-    return out

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from yarl import URL
 
 from geolimit.errors import RequestError
@@ -62,6 +63,19 @@ class State:
 
 class _BodyTooLarge(Exception):
     pass
+
+
+class _ClientGone(Exception):
+    """The client went away while the proxy read its body."""
+
+
+def _origin_form(raw_target: str) -> str | None:
+    """The request target as ``/path?query`` (absolute-form reduced), or None if it is neither."""
+    if raw_target.startswith("/"):
+        return raw_target
+    if raw_target.startswith(("http://", "https://")):
+        return URL(raw_target).raw_path_qs
+    return None
 
 
 def problem(status: int, title: str, detail: str, instance: str, headers: Iterable[tuple[str, str]] = ()) -> web.Response:
@@ -199,66 +213,89 @@ class Forwarder:
     async def _forward(
         self, state: State, request: web.BaseRequest, extra: Iterable[tuple[str, str]]
     ) -> web.StreamResponse:
-        config = state.config
-        method = request.method
-        target = request.raw_path
-        if not target.startswith("/"):
-            if target.startswith(("http://", "https://")):
-                target = URL(target).raw_path_qs  # absolute-form request target
-            else:
-                return problem(400, "Bad Request", "the request target must be a path", "/")
+        """Send the request upstream (the next in turn; others if connecting fails) and relay the answer."""
+        target = _origin_form(request.raw_path)
+        if target is None:
+            return problem(400, "Bad Request", "the request target must be a path", "/")
         failure: list[str] = []
-        data: bytes | AsyncIterator[bytes] | None = None
-        length = request.content_length
-        if request.body_exists:
-            if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
-                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            if length is not None and length <= SMALL_BODY:
-                try:
-                    data = await request.read()
-                except (ConnectionError, aiohttp.ClientError, asyncio.TimeoutError):
-                    return self._client_gone(request, "while sending its body")
-            else:
-                data = self._body(request, config.max_body, failure)
+        try:
+            data = await self._request_body(request, state.config.max_body, failure)
+        except _ClientGone:
+            return self._client_gone(request, "while sending its body")
         headers = request_headers(
             request.headers, peer=request.remote, scheme=request.scheme, trusted=state.trusted,
-            upstream_host=None, content_length=length,
+            upstream_host=None, content_length=request.content_length,
         )
-        upstreams = state.upstreams
-        start = self._next
-        self._next = (start + 1) % len(upstreams)
-        attempts = len(upstreams) if config.retry_connect and method in _IDEMPOTENT and (
-            data is None or isinstance(data, bytes)) else 1
-        loop = asyncio.get_running_loop()
-        for attempt in range(attempts):
-            up = upstreams[(start + attempt) % len(upstreams)]
-            if not config.preserve_host or "Host" not in headers:
-                headers["Host"] = up.host
-            started = loop.time()
+        candidates = self._candidates(state, request.method, data)
+        for attempt, up in enumerate(candidates):
             try:
-                upstream = await self.session.request(
-                    method, URL(up.base + target, encoded=True), headers=headers, data=data,
-                    allow_redirects=False, timeout=state.timeout,
-                )
+                upstream = await self._send(state, request.method, up, target, headers, data)
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-                timed_out = isinstance(exc, aiohttp.ConnectionTimeoutError)
-                self.metrics.upstream_error(up.base, "timeout" if timed_out else "connect")
-                log.warning("upstream %s: cannot connect: %.200s%s", up.base, exc,
-                            "; trying the next upstream" if attempt + 1 < attempts else "")
-                if attempt + 1 < attempts:
+                retrying = attempt + 1 < len(candidates)
+                self._count_unreachable(up, exc, retrying)
+                if retrying:
                     continue
-                if timed_out:
-                    return self._unread(request, problem(
-                        504, "Gateway Timeout", "connecting to the upstream timed out", request.path))
-                return self._unread(request, problem(502, "Bad Gateway", "the upstream is unreachable", request.path))
+                return self._unreachable(request, exc)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                return self._failed(request, up, exc, failure, config)
-            self.metrics.upstream_latency(up.base, loop.time() - started)
+                return self._failed(request, up, exc, failure, state.config)
             try:
-                return await self._relay(request, upstream, extra, up, config)
+                return await self._relay(request, upstream, extra, up, state.config)
             finally:
                 upstream.release()  # back to the pool if the exchange completed, else closed
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _request_body(self, request: web.BaseRequest, limit: int | None,
+                            failure: list[str]) -> bytes | AsyncIterator[bytes] | None:
+        """None (no body), a small body read whole, or a stream (raises _ClientGone)."""
+        if not request.body_exists:
+            return None
+        if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        length = request.content_length
+        if length is None or length > SMALL_BODY:
+            return self._body(request, limit, failure)
+        try:
+            return await request.read()
+        except (ConnectionError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise _ClientGone from exc
+
+    def _candidates(self, state: State, method: str,
+                    data: bytes | AsyncIterator[bytes] | None) -> list[Upstream]:
+        """The upstreams to try in order: the next in turn, then the others if a retry is safe."""
+        upstreams = state.upstreams
+        start = self._next
+        self._next = (start + 1) % len(upstreams)
+        streamed = data is not None and not isinstance(data, bytes)  # cannot be sent twice
+        retry = state.config.retry_connect and method in _IDEMPOTENT and not streamed
+        count = len(upstreams) if retry else 1
+        return [upstreams[(start + i) % len(upstreams)] for i in range(count)]
+
+    async def _send(self, state: State, method: str, up: Upstream, target: str, headers: CIMultiDict[str],
+                    data: bytes | AsyncIterator[bytes] | None) -> aiohttp.ClientResponse:
+        """One exchange with ``up``, until the response headers arrived."""
+        if not state.config.preserve_host or "Host" not in headers:
+            headers["Host"] = up.host
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        upstream = await self.session.request(
+            method, URL(up.base + target, encoded=True), headers=headers, data=data,
+            allow_redirects=False, timeout=state.timeout,
+        )
+        self.metrics.upstream_latency(up.base, loop.time() - started)
+        return upstream
+
+    def _count_unreachable(self, up: Upstream, exc: Exception, retrying: bool) -> None:
+        timed_out = isinstance(exc, aiohttp.ConnectionTimeoutError)
+        self.metrics.upstream_error(up.base, "timeout" if timed_out else "connect")
+        log.warning("upstream %s: cannot connect: %.200s%s", up.base, exc,
+                    "; trying the next upstream" if retrying else "")
+
+    def _unreachable(self, request: web.BaseRequest, exc: Exception) -> web.StreamResponse:
+        """The answer when no upstream could be connected to: 504 on a timeout, else 502."""
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            return self._unread(request, problem(
+                504, "Gateway Timeout", "connecting to the upstream timed out", request.path))
+        return self._unread(request, problem(502, "Bad Gateway", "the upstream is unreachable", request.path))
 
     def _failed(self, request: web.BaseRequest, up: Upstream, exc: BaseException, failure: list[str],
                 config: ProxyConfig) -> web.StreamResponse:

@@ -13,9 +13,10 @@ import logging
 import sys
 
 from geolimit.errors import GeolimitError
+from geolimit.http.listener import run_event_loop
+from geolimit.process import configure_logging, process_signals
 from geolimit.proxy.config import ProxyConfig, load_proxy_config
 from geolimit.proxy.server import Proxy
-from geolimit.server.run import configure_logging, process_signals
 
 __all__ = ["run_proxy"]
 
@@ -63,4 +64,4 @@ def run_proxy(config_path: str) -> int:
     """
     config = load_proxy_config(config_path)
     configure_logging(config.log_format, config.log_level)
-    return asyncio.run(_serve(config, config_path))
+    return run_event_loop(_serve(config, config_path))  # uvloop when installed

@@ -26,6 +26,7 @@ from geolimit.errors import ConfigError, GeolimitError, StorageError
 from geolimit.http.agent_client import AgentClient
 from geolimit.http.guard import Guard
 from geolimit.http.keys import trusted_networks
+from geolimit.http.listener import listen
 from geolimit.proxy.config import ProxyConfig
 from geolimit.proxy.decider import ProxyDecider
 from geolimit.proxy.handler import Forwarder, State, upstream_for
@@ -58,8 +59,9 @@ def _state(config: ProxyConfig, decider: ProxyDecider) -> State:
 class Proxy:
     """A rate-limiting reverse proxy (see the package docstring)."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, *, reuse_port: bool = False) -> None:
         self.config = config
+        self.reuse_port = reuse_port  # several worker processes share the listeners (SO_REUSEPORT)
         self.metrics = ProxyMetrics()
         self.decider: ProxyDecider | None = None
         self.forwarder: Forwarder | None = None
@@ -112,10 +114,7 @@ class Proxy:
             for runner, (host, port) in runners:
                 await runner.setup()
                 self._runners.append(runner)
-                site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
-                await site.start()
-                sock = site._server.sockets[0]  # type: ignore[union-attr]
-                self._addresses.append(sock.getsockname()[:2])
+                self._addresses.append(await listen(runner, host, port, reuse_port=self.reuse_port))
         except OSError as exc:
             await self._close()
             raise GeolimitError(f"proxy: cannot listen: {exc}") from exc

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
 from geolimit.errors import ProtocolError
@@ -40,16 +40,14 @@ class Receiver:
     def message(self, kind: str, dest: str, blobs: list[wire.Blob] | None = None) -> wire.Message:
         raise NotImplementedError
 
-    def _link_down(self, source: PeerState, target: str, now: float) -> bool:
-        """Does ``source`` report that it cannot deliver to ``target``?
-
-        Either its last attempt failed, or it has not had an acknowledgement for
-        two heartbeats (an idle link still acknowledges every heartbeat).
-        """
-        if target in source.failing:
-            return True
-        acked = source.acked_from(target)
-        return acked is None or now - acked > 2 * self.settings.heartbeat + 2 * self.settings.interval
+    def _down_in_report(self, source: str, failing: Collection[str], reach: Mapping[str, float],
+                        since: float = 0.0) -> frozenset[str]:
+        """The peers that a report of ``source`` (``since`` seconds old) says it cannot reach:
+        its last send failed, or no acknowledgement for two heartbeats plus two
+        intervals, or it never reached them."""
+        stale = 2 * self.settings.heartbeat + 2 * self.settings.interval
+        return frozenset(p for p in self.peers
+                         if p != source and (p in failing or reach.get(p, math.inf) + since > stale))
 
     def relays(self, source: PeerState, msg: wire.Message | None = None) -> list[str]:
         """The peers that cells from ``source`` are relayed to: those it cannot reach.
@@ -57,30 +55,33 @@ class Receiver:
         ``source`` delivers to every peer itself (its outboxes are durable), so in
         a healthy mesh a relay is only a duplicate: cells are relayed to a peer
         only while ``source`` reports that link down in ``msg`` (or, without one,
-        in its last report): its last send failed, or it has had no
-        acknowledgement for two heartbeats, or it never reached that peer. Cells
-        merged here just before such a report arrived are repaired by the
-        anti-entropy that the report starts with that peer (:meth:`note_reach`).
+        in its last report, aged since). Cells merged here before such a report
+        arrived are repaired by the anti-entropy that the report starts with that
+        peer (:meth:`note_reach`).
         """
-        stale = 2 * self.settings.heartbeat + 2 * self.settings.interval
         if msg is not None:
-            failing, reach, since = frozenset(msg.failing), msg.reach, 0.0
+            down = self._down_in_report(source.name, msg.failing, msg.reach)
         else:
-            failing, reach, since = source.failing, source.reach, self.clock() - source.reach_at
-        return [p for p in self.peers
-                if p != source.name and (p in failing or reach.get(p, math.inf) + since > stale)]
+            down = self._down_in_report(source.name, source.failing, source.reach, self.clock() - source.reach_at)
+        return sorted(down)
 
     def note_reach(self, peer: PeerState, msg: wire.Message, now: float) -> None:
-        # A link of the sender's that just went down may have swallowed cells we
-        # merged before we knew: anti-entropy with that target repairs them, and
-        # relay covers what comes next.
-        up = [t for t in self.peers if t != peer.name and not self._link_down(peer, t, now)]
+        """Record what ``peer`` says of its links; start anti-entropy for a link newly down.
+
+        A link that ``peer``'s reports show going down may have swallowed cells we
+        merged (without relaying them) while its reports still showed it up:
+        anti-entropy with that target repairs them, and relay covers what comes
+        next. Reports are compared as sent, never aged by our clock, so a link
+        that went down between two reports always counts as newly down.
+        """
+        down = self._down_in_report(peer.name, msg.failing, msg.reach)
+        if peer.reach_at:  # a first report is no news (start-up runs anti-entropy anyway)
+            for target in down - peer.reported_down:
+                self.peers[target].ae_needed = True
+        peer.reported_down = down
         peer.reach = dict(msg.reach)
         peer.reach_at = now
         peer.failing = frozenset(msg.failing)
-        for target in up:
-            if self._link_down(peer, target, now):
-                self.peers[target].ae_needed = True
         if msg.now_us:
             sample = msg.now_us / 1_000_000 - (now - peer.rtt / 2)
             peer.skew = sample if peer.skew == 0.0 else 0.8 * peer.skew + 0.2 * sample

@@ -35,6 +35,7 @@ class PeerState:
     errors: int = 0
     last_error: str | None = None
     last_error_at: float | None = None  # when (engine clock) last_error happened
+    reported_down: frozenset[str] = frozenset()  # peers its last report said it cannot reach
     prune_cursors: dict[int, bytes] = field(default_factory=dict)  # shard -> outbox scan cursor (see prune.lua)
     prune_next: int = 0  # index into the owned shards of the next shard to prune
     next_attempt: float = 0.0

@@ -27,6 +27,7 @@ from geolimit.aio import cancel_and_wait
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.core.clock import Clock, micros_source
 from geolimit.errors import GeolimitError, StorageError
+from geolimit.http.listener import listen
 from geolimit.replication.auth import Signer, Verifier
 from geolimit.replication.gossip import EngineSettings, GossipEngine
 from geolimit.replication.redis_io import ReplicationStore
@@ -137,11 +138,8 @@ class Agent:
                 runner = web.AppRunner(app, access_log=None, handle_signals=False)
                 await runner.setup()
                 self._runners.append(runner)
-                site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_address=True,
-                                   reuse_port=cfg.workers > 1 or None)  # the workers share the port
-                await site.start()
-                sock = site._server.sockets[0]  # type: ignore[union-attr]
-                self._addresses.append(sock.getsockname()[:2])
+                self._addresses.append(await listen(runner, host, port, ssl_context=ssl_ctx,
+                                                    reuse_port=cfg.workers > 1))  # the workers share the port
             if cfg.rls_listen is not None:
                 await self._start_rls(cfg.rls_listen)
         except OSError as exc:

@@ -37,11 +37,13 @@ from geolimit.core.decision import Decision
 from geolimit.core.keys import MAX_SUBJECT_BYTES
 from geolimit.errors import BadRequest, GeolimitError, RequestError, StorageError, UnknownRuleError
 from geolimit.server.metrics import CONTENT_TYPE as METRICS_TYPE
+from geolimit.server.routes_protocol import ApiAgent
 from geolimit.store.protocol import MAX_COST
 
 if TYPE_CHECKING:
+    from multidict import MultiMapping
+
     from geolimit.async_limiter import AsyncLimiter
-    from geolimit.server.agent import Agent
 
 __all__ = ["MAX_BATCH", "MAX_BODY", "BadRequest", "Check", "add_api_routes", "add_health_routes", "parse_check"]
 
@@ -217,12 +219,33 @@ def _guarded(handler: Handler, token: str | None) -> Handler:
     return wrapped
 
 
-def add_api_routes(app: web.Application, agent: Agent) -> None:
-    metrics = agent.metrics
+def _usage_check(query: MultiMapping[str]) -> Check:
+    """The check of a ``GET /v1/usage`` query string (one rule, one subject)."""
+    for key in query:
+        if key not in _USAGE_PARAMS:
+            raise BadRequest(f"unknown query parameter {key!r}; allowed: rule, subject, subject_b64", key)
+        if len(query.getall(key)) > 1:
+            raise BadRequest(f"query parameter {key!r} is given twice", key)
+    if not query.get("rule"):
+        raise BadRequest("query parameter 'rule' is required", "rule")
+    return parse_check(dict(query))
 
-    async def decide(request: web.Request, consume: bool) -> web.Response:
+
+class _ApiHandlers:
+    """The handlers of the decision API, on one agent."""
+
+    def __init__(self, agent: ApiAgent) -> None:
+        self.agent = agent
+
+    async def check(self, request: web.Request) -> web.Response:
+        return await self._decide(request, consume=True)
+
+    async def peek(self, request: web.Request) -> web.Response:
+        return await self._decide(request, consume=False)
+
+    async def _decide(self, request: web.Request, consume: bool) -> web.Response:
         checks, batch = _checks(await _body(request))
-        limiter = agent.require_limiter()
+        limiter = self.agent.require_limiter()
         _known_rules(limiter, checks)
         started = time.perf_counter()
         try:
@@ -232,59 +255,49 @@ def add_api_routes(app: web.Application, agent: Agent) -> None:
                 decisions = list(await asyncio.gather(*(limiter.peek(c.rules, c.subject, c.cost) for c in checks)))
         except UnknownRuleError as exc:  # a concurrent rule reload
             raise BadRequest(str(exc), "rule", status=404) from None
-        elapsed = time.perf_counter() - started
-        _observe(decisions, elapsed)
+        self._observe(decisions, time.perf_counter() - started)
         out = [d.as_dict() for d in decisions]
         return web.json_response({"results": out} if batch else out[0])
 
-    def _observe(decisions: list[Decision], elapsed: float) -> None:
+    def _observe(self, decisions: list[Decision], elapsed: float) -> None:
+        metrics = self.agent.metrics
         share = elapsed / len(decisions)
         for d in decisions:
             metrics.decisions.labels(d.rule, "allowed" if d.allowed else "denied").inc()
             metrics.decision_seconds.observe(share)
 
-    async def check(request: web.Request) -> web.Response:
-        return await decide(request, True)
-
-    async def peek(request: web.Request) -> web.Response:
-        return await decide(request, False)
-
-    async def reset(request: web.Request) -> web.Response:
+    async def reset(self, request: web.Request) -> web.Response:
         checks, _ = _checks(await _body(request))
-        limiter = agent.require_limiter()
+        limiter = self.agent.require_limiter()
         _known_rules(limiter, checks)
         for c in checks:
             await limiter.reset(c.rules, c.subject)
         return web.json_response({"reset": len(checks)})
 
-    async def usage(request: web.Request) -> web.Response:
-        query = request.query
-        for key in query:
-            if key not in _USAGE_PARAMS:
-                raise BadRequest(f"unknown query parameter {key!r}; allowed: rule, subject, subject_b64", key)
-            if len(query.getall(key)) > 1:
-                raise BadRequest(f"query parameter {key!r} is given twice", key)
-        if not query.get("rule"):
-            raise BadRequest("query parameter 'rule' is required", "rule")
-        parsed = parse_check(dict(query))
-        limiter = agent.require_limiter()
+    async def usage(self, request: web.Request) -> web.Response:
+        parsed = _usage_check(request.query)
+        limiter = self.agent.require_limiter()
         _known_rules(limiter, [parsed])
         assert isinstance(parsed.rules, str)
         result = await limiter.usage(parsed.rules, parsed.subject)
         return web.json_response(result.as_dict())
 
-    async def status(request: web.Request) -> web.Response:
-        return web.json_response(agent.status())
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.agent.status())
 
+
+def add_api_routes(app: web.Application, agent: ApiAgent) -> None:
+    """``/v1/check``, ``/v1/peek``, ``/v1/reset``, ``/v1/usage`` and ``/v1/status``, behind the API token if any."""
+    handlers = _ApiHandlers(agent)
     token = agent.config.api_token
-    app.router.add_post("/v1/check", _guarded(check, token))
-    app.router.add_post("/v1/peek", _guarded(peek, token))
-    app.router.add_post("/v1/reset", _guarded(reset, token))
-    app.router.add_get("/v1/usage", _guarded(usage, token))
-    app.router.add_get("/v1/status", _guarded(status, token))
+    app.router.add_post("/v1/check", _guarded(handlers.check, token))
+    app.router.add_post("/v1/peek", _guarded(handlers.peek, token))
+    app.router.add_post("/v1/reset", _guarded(handlers.reset, token))
+    app.router.add_get("/v1/usage", _guarded(handlers.usage, token))
+    app.router.add_get("/v1/status", _guarded(handlers.status, token))
 
 
-def add_health_routes(app: web.Application, agent: Agent) -> None:
+def add_health_routes(app: web.Application, agent: ApiAgent) -> None:
     async def healthz(request: web.Request) -> web.Response:
         problem = agent.failure()
         if problem:

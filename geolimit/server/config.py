@@ -21,45 +21,47 @@ complete examples; the minimal file is::
 
 from __future__ import annotations
 
-import math
 import os
 import ssl
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from geolimit.core.rule import Rule, parse_duration, parse_rates
-from geolimit.errors import ConfigError, GeolimitError
-from geolimit.limiter_base import validate_region
-from geolimit.replication.auth import MIN_SECRET_BYTES
+from geolimit.core.rule import Rule
+from geolimit.errors import ConfigError
 from geolimit.server.rls.descriptors import RlsConfig
-from geolimit.store.connect import split_cluster_url
+from geolimit.toml_config import (
+    LOG_KEYS,
+    check_keys,
+    get_table,
+    load_toml,
+    parse_listen,
+    parse_log,
+    parse_positive_int,
+    parse_redis_url,
+    parse_region,
+    parse_rules,
+    parse_seconds,
+    read_secret,
+    read_token,
+    require,
+    resolve_path,
+)
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-__all__ = [
-    "AgentConfig", "PeerConfig", "TLSConfig", "check_keys", "get_table", "load_config", "load_toml",
-    "parse_config", "parse_listen", "parse_positive_int", "parse_rule_groups", "parse_rules", "parse_seconds", "read_secret",
-    "require", "resolve_path", "with_workers",
-]
+__all__ = ["MAX_REDIS_TIMEOUT", "MAX_WORKERS", "AgentConfig", "PeerConfig", "TLSConfig", "load_config",
+           "parse_config", "with_workers"]
 
 _SECTIONS = {
     "region": {"name", "redis_url", "listen", "secret_file", "key_prefix", "shards", "on_error", "api_listen", "api_token_file",
                "redis_timeout", "workers", "rls_listen", "rls_config"},
     "gossip": {"interval", "peers", "anti_entropy_interval", "max_message_bytes", "max_backoff", "timeout",
                "outbox_limit", "auth_window", "tls"},
-    "log": {"format", "level"},
+    "log": LOG_KEYS,
 }
-_RULE_KEYS = {"name", "limit", "window", "resolution", "mode", "predict", "partition", "partition_after"}
 _PEER_KEYS = {"name", "url"}
 _TLS_KEYS = {"cert_file", "key_file", "ca_file", "verify_peers"}
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: The longest region.redis_timeout accepted, in seconds.
 MAX_REDIS_TIMEOUT = 60.0
 #: The most worker processes per region (region.workers, geolimit agent --workers).
@@ -124,33 +126,6 @@ class AgentConfig:
     path: Path | None = None
 
 
-def parse_listen(value: object, where: str) -> tuple[str, int]:
-    if not isinstance(value, str) or ":" not in value:
-        raise ConfigError(f"{where}: expected 'host:port', got {value!r}")
-    host, _, port_s = value.rpartition(":")
-    host = host.strip("[]")
-    try:
-        port = int(port_s)
-    except ValueError:
-        raise ConfigError(f"{where}: port must be a number, got {port_s!r}") from None
-    if not host or any(c.isspace() for c in host) or not 0 <= port <= 65535:
-        raise ConfigError(f"{where}: expected 'host:port' with a port from 0 to 65535, got {value!r}")
-    return host, port
-
-
-def load_toml(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Path]:
-    """Read a TOML file; every failure is a ConfigError naming the file."""
-    file = Path(path)
-    try:
-        return tomllib.loads(file.read_text(encoding="utf-8")), file
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(file)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read config file {str(file)!r}: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{file}: invalid TOML: {exc}") from None
-
-
 def load_config(path: str | os.PathLike[str]) -> AgentConfig:
     """Read and validate an agent TOML file."""
     data, file = load_toml(path)
@@ -158,6 +133,7 @@ def load_config(path: str | os.PathLike[str]) -> AgentConfig:
 
 
 def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConfig:
+    """An :class:`AgentConfig` from the tables of an agent TOML file (``path`` names it in errors)."""
     src = str(path) if path else "<config>"
     base = path.parent if path else Path.cwd()
     check_keys(data, {"region", "gossip", "rule", "log"}, src, "")
@@ -166,27 +142,30 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
     logs = get_table(data, "log", src)
     for name, table in (("region", region), ("gossip", gossip), ("log", logs)):
         check_keys(table, _SECTIONS[name], src, name + ".")
-    name = require(region, "name", str, src, "region.name")
-    try:
-        validate_region(name)
-    except ConfigError as exc:
-        raise ConfigError(f"{src}: region.name: {exc}") from None
-    opts: dict[str, Any] = {}
-    secret_file = resolve_path(base, require(region, "secret_file", str, src, "region.secret_file"))
-    secret = read_secret(secret_file, src)
-    redis_url = require(region, "redis_url", str, src, "region.redis_url")
-    try:
-        split_cluster_url(redis_url)
-    except ConfigError as exc:
-        raise ConfigError(f"{src}: region.redis_url: {exc}") from None
+    name = parse_region(region, "name", src, "region.name")
+    secret = read_secret(resolve_path(base, require(region, "secret_file", str, src, "region.secret_file")), src)
+    redis_url = parse_redis_url(region, "redis_url", src, "region.redis_url")
     listen = parse_listen(require(region, "listen", str, src, "region.listen"), f"{src}: region.listen")
     peers = parse_peers(gossip, src, name)
     if "rule" not in data and "rls_config" not in region:
         raise ConfigError(f"{src}: missing key rule: define at least one [[rule]] table (name, limit)")
     rules = parse_rules(data.get("rule", []), src)
-    if "interval" in gossip:
-        opts["interval"] = parse_seconds(gossip["interval"], src, "gossip.interval")
-    for key in ("anti_entropy_interval", "max_backoff", "timeout", "auth_window"):
+    opts = _gossip_options(gossip, src, base)
+    opts.update(_region_options(region, src, base, listen))
+    opts.update(parse_log(logs, src))
+    if "rls_listen" in region or "rls_config" in region:
+        rls_listen, rls = _parse_rls(region, src, base, rules)
+        opts.update(rls_listen=rls_listen, rls=rls)
+        rules += rls.rules
+    config = AgentConfig(region=name, redis_url=redis_url, listen=listen, secret=secret, peers=peers, rules=rules,
+                         path=path, **opts)
+    return with_workers(config, region["workers"], f"{src}: region.workers") if "workers" in region else config
+
+
+def _gossip_options(gossip: Mapping[str, Any], src: str, base: Path) -> dict[str, Any]:
+    """The optional keys of ``[gossip]`` (all but ``peers``) as :class:`AgentConfig` fields."""
+    opts: dict[str, Any] = {}
+    for key in ("interval", "anti_entropy_interval", "max_backoff", "timeout", "auth_window"):
         if key in gossip:
             opts[key] = parse_seconds(gossip[key], src, f"gossip.{key}")
     for key in ("max_message_bytes", "outbox_limit"):
@@ -194,6 +173,12 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
             opts[key] = parse_positive_int(gossip[key], src, f"gossip.{key}")
     if "tls" in gossip:
         opts["tls"] = parse_tls(gossip["tls"], src, base)
+    return opts
+
+
+def _region_options(region: Mapping[str, Any], src: str, base: Path, listen: tuple[str, int]) -> dict[str, Any]:
+    """The optional keys of ``[region]`` (but the workers and the rate limit service) as AgentConfig fields."""
+    opts: dict[str, Any] = {}
     if "key_prefix" in region:
         opts["key_prefix"] = require(region, "key_prefix", str, src, "region.key_prefix")
     if "shards" in region:
@@ -204,46 +189,18 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
             raise ConfigError(f"{src}: region.on_error must be 'raise', 'allow' or 'deny', got {value!r}")
         opts["on_error"] = value
     if "redis_timeout" in region:
-        redis_timeout = parse_seconds(region["redis_timeout"], src, "region.redis_timeout")
-        if redis_timeout > MAX_REDIS_TIMEOUT:
-            raise ConfigError(
-                f"{src}: region.redis_timeout must be at most {MAX_REDIS_TIMEOUT:g} seconds, "
-                f"got {region['redis_timeout']!r}"
-            )
-        opts["redis_timeout"] = redis_timeout
+        opts["redis_timeout"] = parse_seconds(region["redis_timeout"], src, "region.redis_timeout")
+        if opts["redis_timeout"] > MAX_REDIS_TIMEOUT:
+            raise ConfigError(f"{src}: region.redis_timeout must be at most {MAX_REDIS_TIMEOUT:g} seconds, "
+                              f"got {region['redis_timeout']!r}")
     if "api_listen" in region:
-        api_listen = parse_listen(region["api_listen"], f"{src}: region.api_listen")
-        if api_listen == listen and listen[1] != 0:
+        opts["api_listen"] = parse_listen(region["api_listen"], f"{src}: region.api_listen")
+        if opts["api_listen"] == listen and listen[1] != 0:
             raise ConfigError(f"{src}: region.api_listen must differ from region.listen ({listen[0]}:{listen[1]})")
-        opts["api_listen"] = api_listen
     if "api_token_file" in region:
         token_file = resolve_path(base, require(region, "api_token_file", str, src, "region.api_token_file"))
-        opts["api_token"] = _read_token(token_file, src)
-    if "format" in logs:
-        fmt = require(logs, "format", str, src, "log.format")
-        if fmt not in ("text", "json"):
-            raise ConfigError(f"{src}: log.format must be 'text' or 'json', got {fmt!r}")
-        opts["log_format"] = fmt
-    if "level" in logs:
-        level = require(logs, "level", str, src, "log.level").upper()
-        if level not in _LOG_LEVELS:
-            raise ConfigError(f"{src}: log.level must be one of {', '.join(_LOG_LEVELS)} (any case), got {level!r}")
-        opts["log_level"] = level
-    if "rls_listen" in region or "rls_config" in region:
-        rls_listen, rls = _parse_rls(region, src, base, rules)
-        opts.update(rls_listen=rls_listen, rls=rls)
-        rules += rls.rules
-    config = AgentConfig(
-        region=name,
-        redis_url=redis_url,
-        listen=listen,
-        secret=secret,
-        peers=peers,
-        rules=rules,
-        path=path,
-        **opts,
-    )
-    return with_workers(config, region["workers"], f"{src}: region.workers") if "workers" in region else config
+        opts["api_token"] = read_token(token_file, src, "region.api_token_file")
+    return opts
 
 
 def with_workers(config: AgentConfig, workers: object, where: str = "--workers") -> AgentConfig:
@@ -296,79 +253,6 @@ def _parse_rls(region: Mapping[str, Any], src: str, base: Path,
     return listen, rls
 
 
-def check_keys(table: Mapping[str, Any], allowed: set[str], src: str, where: str) -> None:
-    for key in table:
-        if key not in allowed:
-            raise ConfigError(f"{src}: unknown key {where + key!r}; allowed here: {', '.join(sorted(allowed))}")
-
-
-def get_table(data: Mapping[str, Any], key: str, src: str, required: bool = False) -> Mapping[str, Any]:
-    if key not in data:
-        if required:
-            raise ConfigError(f"{src}: missing section [{key}]")
-        return {}
-    value = data[key]
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{src}: {key} must be a [{key}] table, got {value!r}")
-    return value
-
-
-def require(table: Mapping[str, Any], key: str, kind: type, src: str, where: str) -> Any:
-    if key not in table:
-        raise ConfigError(f"{src}: missing key {where}")
-    value = table[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ConfigError(f"{src}: {where} must be a {kind.__name__}, got {value!r}")
-    return value
-
-
-def parse_seconds(value: object, src: str, where: str) -> float:
-    if isinstance(value, str):
-        try:
-            return parse_duration(value)
-        except ConfigError as exc:
-            raise ConfigError(f"{src}: {where}: {exc}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
-        raise ConfigError(f"{src}: {where} must be a positive number of seconds (or a duration such as '10s'), got {value!r}")
-    return float(value)
-
-
-def parse_positive_int(value: object, src: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{src}: {where} must be a positive integer, got {value!r}")
-    return value
-
-
-def resolve_path(base: Path, value: str) -> Path:
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else base / path
-
-
-def read_secret(path: Path, src: str, what: str = "region.secret_file") -> bytes:
-    try:
-        secret = path.read_bytes().strip()
-    except OSError as exc:
-        raise ConfigError(f"{src}: {what}: cannot read {str(path)!r}: {exc.strerror}") from None
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(
-            f"{src}: {what}: {str(path)!r} holds {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
-            f"random bytes (for example: head -c 32 /dev/urandom | base64 > {path.name})"
-        )
-    return secret
-
-
-def _read_token(path: Path, src: str) -> str:
-    """An API bearer token: at least MIN_SECRET_BYTES printable ASCII characters, no spaces."""
-    raw = read_secret(path, src, what="region.api_token_file")
-    if not all(0x21 <= b <= 0x7E for b in raw):
-        raise ConfigError(
-            f"{src}: region.api_token_file: {str(path)!r} must hold one line of printable ASCII without "
-            f"spaces (it is sent as 'Authorization: Bearer <token>'; for example: "
-            f"head -c 32 /dev/urandom | base64 > {path.name})"
-        )
-    return raw.decode("ascii")
-
-
 def parse_peers(gossip: Mapping[str, Any], src: str, own: str) -> tuple[PeerConfig, ...]:
     raw = gossip.get("peers", [])
     if not isinstance(raw, list):
@@ -379,12 +263,8 @@ def parse_peers(gossip: Mapping[str, Any], src: str, own: str) -> tuple[PeerConf
         if not isinstance(item, Mapping):
             raise ConfigError(f"{src}: {where} must be a table with name and url")
         check_keys(item, _PEER_KEYS, src, where + ".")
-        name = require(item, "name", str, src, f"{where}.name")
+        name = parse_region(item, "name", src, f"{where}.name")
         url = require(item, "url", str, src, f"{where}.url")
-        try:
-            validate_region(name)
-        except ConfigError as exc:
-            raise ConfigError(f"{src}: {where}.name: {exc}") from None
         if name == own:
             raise ConfigError(f"{src}: {where}.name: a region cannot be its own peer ({name!r})")
         if any(p.name == name for p in peers):
@@ -400,73 +280,6 @@ def parse_peers(gossip: Mapping[str, Any], src: str, own: str) -> tuple[PeerConf
             )
         peers.append(PeerConfig(name, url))
     return tuple(peers)
-
-
-def parse_rules(raw: object, src: str) -> tuple[Rule, ...]:
-    """The rules of the ``[[rule]]`` tables; a table whose limit holds several rates gives several."""
-    return tuple(rule for group in parse_rule_groups(raw, src).values() for rule in group)
-
-
-def parse_rule_groups(raw: object, src: str) -> dict[str, tuple[Rule, ...]]:
-    """The rules of each ``[[rule]]`` table, by the table's name.
-
-    ``limit = "10/hour;5/minute"`` in table ``api`` gives the rules ``api.1h`` and
-    ``api.1m`` (see :meth:`~geolimit.Rule.parse_many`); one rate keeps the name.
-    """
-    if not isinstance(raw, list):
-        raise ConfigError(f"{src}: rules are [[rule]] tables")
-    groups: dict[str, tuple[Rule, ...]] = {}
-    rules: list[Rule] = []
-    for i, item in enumerate(raw):
-        where = f"rule[{i}]"
-        if not isinstance(item, Mapping):
-            raise ConfigError(f"{src}: {where} must be a table")
-        check_keys(item, _RULE_KEYS, src, where + ".")
-        name = require(item, "name", str, src, f"{where}.name")
-        if "limit" not in item:
-            raise ConfigError(f"{src}: missing key {where}.limit (rule {name!r}): a rate such as '1000/10s', "
-                              f"or a number with window")
-        where = f"rule {name!r}"
-        limit = item["limit"]
-        try:
-            if isinstance(limit, str):
-                if "window" in item:
-                    raise ConfigError(f"window is given twice: in limit {limit!r} and as window")
-                rates = parse_rates(limit)
-            elif isinstance(limit, int) and not isinstance(limit, bool):
-                if "window" not in item:
-                    raise ConfigError("limit is a number, so window (seconds or '10s') is required")
-                rates = [(limit, parse_seconds(item["window"], src, f"{where}.window"))]
-            else:
-                raise ConfigError(f"limit must be a rate string such as '1000/10s' or a number, got {limit!r}")
-            resolution = item.get("resolution")
-            if resolution is not None:
-                resolution = parse_seconds(resolution, src, f"{where}.resolution")
-            mode = item.get("mode", "strict")
-            if mode not in ("strict", "approximate"):
-                raise ConfigError(f"mode must be 'strict' or 'approximate', got {mode!r}")
-            options: dict[str, Any] = {}
-            if "predict" in item:
-                options["predict"] = item["predict"]
-            if "partition" in item:
-                options["partition"] = item["partition"]
-            if "partition_after" in item:
-                options["partition_after"] = parse_seconds(item["partition_after"], src, f"{where}.partition_after")
-            if len(rates) > 1:
-                new = Rule.parse_many(name, limit, resolution, mode, **options)
-            else:
-                new = [Rule(name, rates[0][0], rates[0][1], resolution, mode, **options)]
-        except GeolimitError as exc:
-            detail = str(exc)
-            # Rule() already names the rule ("rule 'api': ..."): do not say it twice.
-            prefix = "" if detail.startswith(f"{where}:") or detail.startswith(f"rule {name!r}:") else f"{where}: "
-            raise ConfigError(f"{src}: {prefix}{detail}") from None
-        for rule in new:
-            if name in groups or any(r.name == rule.name for r in rules):
-                raise ConfigError(f"{src}: {where}: duplicate rule name {name if name in groups else rule.name!r}")
-            rules.append(rule)
-        groups[name] = tuple(new)
-    return groups
 
 
 def parse_tls(raw: object, src: str, base: Path) -> TLSConfig:

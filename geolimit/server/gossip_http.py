@@ -16,7 +16,6 @@ The response is the engine's reply, signed with the request's sequence number.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -24,9 +23,7 @@ from geolimit.errors import AuthenticationError, ProtocolError, StorageError
 from geolimit.replication import wire
 from geolimit.replication.auth import SEQ
 from geolimit.replication.transport import CONTENT_TYPE, GOSSIP_PATH, read_limited
-
-if TYPE_CHECKING:
-    from geolimit.server.agent import Agent
+from geolimit.server.routes_protocol import GossipAgent
 
 __all__ = ["add_gossip_routes"]
 
@@ -37,7 +34,7 @@ def _error(status: int, reason: str, message: str) -> web.Response:
     return web.json_response({"error": message, "reason": reason}, status=status)
 
 
-def add_gossip_routes(app: web.Application, agent: Agent) -> None:
+def add_gossip_routes(app: web.Application, agent: GossipAgent) -> None:
     cap = agent.config.max_message_bytes
 
     async def gossip(request: web.Request) -> web.StreamResponse:

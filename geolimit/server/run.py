@@ -1,72 +1,25 @@
-"""Running an agent as a process: logging, signals, exit codes."""
+"""Running an agent as a process: signals, workers, exit codes."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import signal
 import ssl
 import sys
-import time
-from collections.abc import Callable, Coroutine, Iterator
-from typing import Any
 
 from geolimit.errors import ConfigError, GeolimitError
+from geolimit.process import configure_logging, process_signals
 from geolimit.server.agent import Agent
 from geolimit.server.config import AgentConfig, load_config, with_workers
 from geolimit.server.workers import Supervisor, watch_parent
 
-__all__ = ["JsonFormatter", "configure_logging", "process_signals", "run_agent"]
+__all__ = ["run_agent"]
 
 log = logging.getLogger("geolimit.agent")
 
 #: Seconds a graceful stop may take beyond the flush deadline before the agent aborts.
 STOP_GRACE = 10.0
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line (with ``"worker": i`` in a worker process)."""
-
-    def __init__(self, worker: int | None = None) -> None:
-        super().__init__()
-        self.worker = worker
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, object] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if self.worker is not None:
-            entry["worker"] = self.worker
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def configure_logging(fmt: str = "text", level: str = "INFO", worker: int | None = None) -> None:
-    """Log to stderr in ``fmt`` ("text" or "json"), naming the ``worker`` process if given.
-
-    The handler sits on the root logger so that aiohttp's and asyncio's messages
-    come out in the same format (one JSON object per line with ``fmt="json"``);
-    ``level`` applies to geolimit's loggers, the others log warnings and above.
-    """
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter(worker))
-    else:
-        tag = "" if worker is None else f" [worker {worker}]"
-        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{tag}: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.WARNING)
-    ours = logging.getLogger("geolimit")
-    ours.handlers.clear()
-    ours.setLevel(level)
-    ours.propagate = True
 
 
 async def _reload(agent: Agent, path: str) -> None:
@@ -79,29 +32,6 @@ async def _reload(agent: Agent, path: str) -> None:
                   agent.config.region, path, exc)
         return
     log.info("agent %s: reloaded %s (%s)", agent.config.region, path, changed or "no rule changes")
-
-
-@contextlib.contextmanager
-def process_signals(on_hangup: Callable[[], Coroutine[Any, Any, None]] | None) -> Iterator[asyncio.Event]:
-    """SIGTERM/SIGINT set the yielded event; SIGHUP runs ``on_hangup`` (a reload) as a task."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    reloads: set[asyncio.Task[None]] = set()
-
-    def hangup() -> None:
-        if on_hangup is not None:
-            task = loop.create_task(on_hangup())
-            reloads.add(task)
-            task.add_done_callback(reloads.discard)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, hangup)
-    try:
-        yield stop
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
 
 
 async def _serve(config: AgentConfig, flush_timeout: float, path: str | None = None,

@@ -1,6 +1,7 @@
 """Asyncio Redis stores: the I/O shell under :class:`geolimit.AsyncLimiter`.
 
-Same contract as :mod:`geolimit.store.redis_store`, with ``await``.
+Same contract as :mod:`geolimit.store.redis_store`, with ``await`` (FCALL for the
+function library's scripts where the server has functions, else EVALSHA).
 """
 
 from __future__ import annotations
@@ -11,13 +12,20 @@ from typing import Any, Protocol
 import redis.asyncio
 import redis.asyncio.cluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from geolimit.errors import StorageError
 from geolimit.store.protocol import pack_command
-from geolimit.store.redis_store import describe_error
-from geolimit.store.scripts import LuaScript
+from geolimit.store.redis_store import (
+    _FunctionMissing,
+    describe_error,
+    fcall_prefix,
+    function_missing,
+    load_refused,
+    log,
+)
+from geolimit.store.scripts import LuaScript, function_library
 
 __all__ = ["AsyncClusterStore", "AsyncRedisStore", "AsyncStore"]
 
@@ -46,6 +54,8 @@ class AsyncRedisStore:
         self._pool = pool
         self._client = redis.asyncio.Redis(connection_pool=pool)
         self._free: list[Any] = []
+        #: FCALL for library scripts: None untried, True working, False (EVALSHA) refused.
+        self.functions: bool | None = None
 
     def client(self) -> redis.asyncio.Redis:
         return self._client
@@ -68,6 +78,8 @@ class AsyncRedisStore:
                 raise
             except RedisError as exc:
                 self._free.append(conn)
+                if function_missing(exc):
+                    raise _FunctionMissing(str(exc)) from exc
                 raise StorageError(f"Redis error: {describe_error(exc)}") from exc
             except BaseException:
                 # Cancelled mid-reply: the connection's stream position is unknown.
@@ -81,8 +93,32 @@ class AsyncRedisStore:
             script, len(args), b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in args)
         )
 
+    async def load_functions(self) -> bool:
+        """FUNCTION LOAD the library; False (use EVALSHA) if the server refuses it."""
+        try:
+            await self._roundtrip(pack_command(b"FUNCTION", b"LOAD", b"REPLACE", function_library().source))
+            self.functions = True
+        except StorageError as exc:
+            if not load_refused(exc):
+                raise
+            log.debug("Redis functions unavailable, using EVALSHA: %s", exc)
+            self.functions = False
+        return self.functions
+
     async def run_resp(self, script: LuaScript, nargs: int, body: bytes) -> Any:
-        """EVALSHA with arguments already RESP-encoded in ``body``."""
+        """FCALL or EVALSHA with arguments already RESP-encoded in ``body``."""
+        if script.function is not None and self.functions is not False:
+            packed = fcall_prefix(script.function, nargs) + body
+            try:
+                reply = await self._roundtrip(packed)
+                self.functions = True
+                return reply
+            except _FunctionMissing:
+                if await self.load_functions():
+                    try:
+                        return await self._roundtrip(packed)
+                    except _FunctionMissing as exc:  # pragma: no cover - loaded a moment ago
+                        raise StorageError(f"Redis lost function {script.name} right after loading it") from exc
         packed = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n%b" % (nargs + 2, script.sha, body)
         try:
             return await self._roundtrip(packed)
@@ -102,7 +138,23 @@ class AsyncRedisStore:
         """
         if not calls:
             return []
-        packed = [pack_command(b"EVALSHA", script.sha, *args) for args in calls]
+        if script.function is not None and self.functions is not False:
+            replies = await self._pipelined(script, [pack_command(b"FCALL", script.function, *a) for a in calls], per_trip)
+            missing = [i for i, r in enumerate(replies) if isinstance(r, _FunctionMissing)]
+            if len(missing) < len(replies):
+                self.functions = True
+            if not missing:
+                return replies
+            if await self.load_functions():
+                redo = [pack_command(b"FCALL", script.function, *calls[i]) for i in missing]
+            else:
+                redo = [pack_command(b"EVALSHA", script.sha, *calls[i]) for i in missing]
+            for i, reply in zip(missing, await self._pipelined(script, redo, per_trip), strict=True):
+                replies[i] = reply
+            return replies
+        return await self._pipelined(script, [pack_command(b"EVALSHA", script.sha, *a) for a in calls], per_trip)
+
+    async def _pipelined(self, script: LuaScript, packed: list[bytes], per_trip: int) -> list[Any]:
         replies = []
         for start in range(0, len(packed), per_trip):
             replies += await self._pipeline(packed[start : start + per_trip])
@@ -126,7 +178,10 @@ class AsyncRedisStore:
                 except RedisError as exc:
                     if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
                         raise
-                    replies.append(StorageError(f"Redis error: {describe_error(exc)}"))
+                    if function_missing(exc):
+                        replies.append(_FunctionMissing(str(exc)))
+                    else:
+                        replies.append(StorageError(f"Redis error: {describe_error(exc)}"))
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             await conn.disconnect()
             raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
@@ -168,6 +223,8 @@ class AsyncClusterStore:
         self._cluster = cluster
         self._ready = False
         self._lock: asyncio.Lock | None = None
+        #: FCALL for library scripts: None untried, True working, False (EVALSHA) refused.
+        self.functions: bool | None = None
 
     def client(self) -> redis.asyncio.cluster.RedisCluster:
         return self._cluster
@@ -180,11 +237,47 @@ class AsyncClusterStore:
                 await self._cluster.initialize()
                 self._ready = True
 
+    async def load_functions(self) -> bool:
+        """FUNCTION LOAD the library on every master; False (use EVALSHA) if refused."""
+        try:
+            await self._cluster.function_load(function_library().source.decode(), replace=True)
+            self.functions = True
+        except ResponseError as exc:
+            log.debug("Redis functions unavailable, using EVALSHA: %s", exc)
+            self.functions = False
+        return self.functions
+
+    async def _fcall(self, function: bytes, args: list[bytes]) -> Any:
+        # Routed by the first key: redis-py would ask the server (COMMAND GETKEYS)
+        # where FCALL's keys are on every call. A MOVED reply re-routes as usual.
+        if args[0] == b"0":
+            return await self._cluster.fcall(function.decode(), *args)  # type: ignore[arg-type]
+        node = self._cluster.get_node_from_key(args[1])  # type: ignore[arg-type]
+        return await self._cluster.execute_command("FCALL", function, *args, target_nodes=node)
+
+    async def _run_function(self, script: LuaScript, args: list[bytes]) -> tuple[bool, Any]:
+        """(True, reply) if FCALL ran ``script``; (False, None) if EVALSHA must."""
+        if script.function is None or self.functions is False:
+            return False, None
+        try:
+            reply = await self._fcall(script.function, args)
+            self.functions = True
+            return True, reply
+        except ResponseError as exc:
+            if not function_missing(exc):
+                raise
+        if await self.load_functions():
+            return True, await self._fcall(script.function, args)
+        return False, None
+
     async def run(self, script: LuaScript, args: list[bytes]) -> Any:
         sha = script.sha.decode()
         try:
             if not self._ready:
                 await self._initialize()
+            done, reply = await self._run_function(script, args)
+            if done:
+                return reply
             try:
                 return await self._cluster.evalsha(sha, *args)  # type: ignore[arg-type]
             except NoScriptError:

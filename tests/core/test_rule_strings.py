@@ -14,7 +14,7 @@ from geolimit import ConfigError, Limiter, ManualClock, Rule, parse_rate
 from geolimit.core.rule import MAX_WINDOW, parse_duration, parse_rates, window_label
 from geolimit.core.window import MAX_COUNT
 from geolimit.proxy.config import parse_proxy_config
-from geolimit.server.config import parse_rule_groups, parse_rules
+from geolimit.toml_config import parse_rule_groups, parse_rules
 
 #: Strings read by both parsers; each must give the same (limit, window) list, or be refused by both.
 SAME = [

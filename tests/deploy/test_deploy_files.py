@@ -30,8 +30,9 @@ from geolimit.errors import ConfigError
 from geolimit.proxy.config import load_proxy_config, parse_proxy_config
 from geolimit.proxy.metrics import ProxyMetrics
 from geolimit.replication.auth import MIN_SECRET_BYTES
-from geolimit.server.config import load_config, parse_rules
+from geolimit.server.config import load_config
 from geolimit.server.metrics import AgentMetrics
+from geolimit.toml_config import parse_rules
 from tests.server.helpers import make_cert
 
 if sys.version_info >= (3, 11):

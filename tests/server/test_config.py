@@ -251,6 +251,17 @@ def test_bad_values_are_refused(tmp_path: Path, secret: bytes, path: tuple[str |
     assert expected in refused(tmp_path, data)
 
 
+@pytest.mark.parametrize(("key", "value"), [("window", -1), ("partition_after", "soon")])
+def test_a_bad_rule_duration_names_the_file_and_the_rule_once(tmp_path: Path, secret: bytes, key: str,
+                                                              value: object) -> None:
+    data = valid()
+    data["rule"][2][key] = value
+    message = refused(tmp_path, data)
+    assert message.startswith(f"{tmp_path / 'region.toml'}: rule 'burst'.{key}")
+    assert message.count("region.toml") == 1, message
+    assert message.count("rule 'burst'") == 1, message
+
+
 def test_redis_timeout_defaults_to_one_second(tmp_path: Path, secret: bytes) -> None:
     assert load(tmp_path, valid()).redis_timeout == 1.0
 

@@ -19,8 +19,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from geolimit.server.config import load_toml
 from geolimit.store.embedded import EmbeddedRedis
+from geolimit.toml_config import load_toml
 from tests.server.helpers import AgentProcess, dump_toml, write_secret
 from tests.support.regions import eventually
 

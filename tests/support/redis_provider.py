@@ -1,7 +1,9 @@
 """Where the test-suite gets a real Redis from.
 
-Single server, in order: ``GEOLIMIT_TEST_REDIS_URL``; a ``redis`` container through
-testcontainers when a Docker engine answers; an :class:`EmbeddedRedis` child process.
+Single server, in order: ``GEOLIMIT_TEST_REDIS_URL``; an :class:`EmbeddedRedis` child
+process when ``GEOLIMIT_REDIS_SERVER`` names the binary to test (.ci/run's second pass
+points it at Redis 7); a ``redis`` container through testcontainers when a Docker engine
+answers; an :class:`EmbeddedRedis` child process of whatever binary is found.
 Cluster: ``GEOLIMIT_TEST_REDIS_CLUSTER_URL``, else an :class:`EmbeddedRedisCluster`.
 Nothing here ever skips: callers turn :class:`RedisUnavailable` into a test failure.
 """
@@ -21,6 +23,7 @@ import redis
 
 from geolimit.errors import StorageError
 from geolimit.store.embedded import (
+    ENV_SERVER,
     EmbeddedRedis,
     EmbeddedRedisCluster,
     find_redis_server,
@@ -163,6 +166,11 @@ def acquire_redis() -> RedisSource:
     if source is not None:
         return source
     problems: list[str] = []
+    if os.environ.get(ENV_SERVER, "").strip():  # a named binary is the server under test
+        try:
+            return from_embedded()
+        except StorageError as exc:
+            raise RedisUnavailable(f"- ${ENV_SERVER}: embedded redis-server failed: {exc}\n\n{HOW_TO}") from exc
     engine = docker_engine()
     if engine is not None:
         try:
@@ -208,6 +216,8 @@ def report_header() -> list[str]:
     url = os.environ.get(ENV_URL, "").strip()
     if url:
         lines.append(f"redis: ${ENV_URL}={redact(url)}")
+    elif os.environ.get(ENV_SERVER, "").strip():
+        lines.append(f"redis: embedded (${ENV_SERVER}); {binary_summary()}")
     else:
         engine = docker_engine()
         plan = f"docker ({engine}), fallback embedded" if engine else "embedded (no Docker)"

@@ -1,0 +1,96 @@
+"""Listening sockets and the event loop of the agent's and the proxy's aiohttp servers.
+
+:func:`listen` binds the sockets itself (``SO_REUSEADDR``, and ``SO_REUSEPORT``
+when several worker processes share the port, so the kernel spreads the
+connections over them) and serves each through a :class:`aiohttp.web.SockSite`.
+It returns the bound address, which is how a listener on port 0 learns its port.
+Only public aiohttp API is used.
+
+:func:`run_event_loop` is :func:`asyncio.run` on uvloop when it is installed
+(the ``fast`` extra: ``pip install 'geolimit[fast]'``), else on asyncio's own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+__all__ = ["bind_sockets", "listen", "run_event_loop"]
+
+T = TypeVar("T")
+
+
+def bind_sockets(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
+    """One bound TCP socket per address ``host`` resolves to (raises OSError).
+
+    With ``port`` 0 every socket gets its own free port. IPv6 sockets are
+    IPv6-only, so ``::`` and ``0.0.0.0`` can both be bound, as asyncio does.
+    """
+    if reuse_port and not hasattr(socket, "SO_REUSEPORT"):
+        raise OSError("SO_REUSEPORT is not available on this platform")
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    seen: set[tuple[int, object]] = set()
+    try:
+        for family, kind, proto, _, address in infos:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.setblocking(False)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+async def listen(
+    runner: web.BaseRunner,
+    host: str,
+    port: int,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    reuse_port: bool = False,
+    backlog: int = 1024,
+) -> tuple[str, int]:
+    """Serve ``runner`` (already set up) on ``host:port``; the first bound ``(host, port)``.
+
+    The sites belong to ``runner``: ``runner.cleanup()`` closes them.
+    """
+    sockets = bind_sockets(host, port, reuse_port=reuse_port)
+    address: tuple[str, int] = sockets[0].getsockname()[:2]
+    started = 0
+    try:
+        for sock in sockets:
+            await web.SockSite(runner, sock, ssl_context=ssl_context, backlog=backlog).start()
+            started += 1
+    except BaseException:
+        for sock in sockets[started:]:  # the started sites own (and close) theirs
+            with contextlib.suppress(OSError):
+                sock.close()
+        raise
+    return address
+
+
+def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` to completion on uvloop if it is installed, else as :func:`asyncio.run` does."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    result: T = uvloop.run(main)
+    return result
