@@ -16,6 +16,7 @@ import redis.asyncio
 import redis.asyncio.cluster
 from redis.exceptions import RedisError
 
+from geolimit.aio import Coalescer
 from geolimit.core.clock import Clock
 from geolimit.core.decision import Decision
 from geolimit.core.keys import KeyLayout, encode_subject
@@ -69,11 +70,7 @@ class AsyncLimiter(LimiterBase):
         elif isinstance(store, redis.asyncio.Redis):
             store = AsyncRedisStore(store.connection_pool)
         self._store: AsyncStore = store
-        self._max_batch = max(1, max_batch)
-        self._max_in_flight = max(1, max_in_flight)
-        self._queue: list[tuple[HitRequest, asyncio.Future[Decision]]] = []
-        self._lanes = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._batches: Coalescer[HitRequest, Decision] = Coalescer(self._decide, max_batch, max_in_flight)
         self._check_lock: asyncio.Lock | None = None
 
     @classmethod
@@ -139,8 +136,7 @@ class AsyncLimiter(LimiterBase):
 
     async def aclose(self) -> None:
         """Wait for in-flight batches, then close the connections."""
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._batches.wait()
         await self._store.close()
 
     close = aclose
@@ -154,39 +150,7 @@ class AsyncLimiter(LimiterBase):
     # -- batching ---------------------------------------------------------
 
     def _submit(self, request: HitRequest) -> asyncio.Future[Decision]:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Decision] = loop.create_future()
-        self._queue.append((request, future))
-        if self._lanes < self._max_in_flight:
-            self._lanes += 1
-            task = loop.create_task(self._lane())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        return future
-
-    async def _lane(self) -> None:
-        try:
-            while self._queue:
-                # Share the queue between the lanes that can run now, so one batch is
-                # being decided in Redis while the next is encoded and decoded here.
-                size = min(self._max_batch, -(-len(self._queue) // self._max_in_flight))
-                batch = self._queue[:size]
-                del self._queue[:size]
-                requests = [request for request, _ in batch]
-                try:
-                    decisions = await self._decide(requests)
-                except BaseException as exc:
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    if not isinstance(exc, Exception):
-                        raise
-                    continue
-                for (_, future), decision in zip(batch, decisions, strict=True):
-                    if not future.done():
-                        future.set_result(decision)
-        finally:
-            self._lanes -= 1
+        return self._batches.submit(request)
 
     async def _decide(self, requests: list[HitRequest]) -> list[Decision]:
         try:

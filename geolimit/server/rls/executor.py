@@ -23,6 +23,7 @@ import asyncio
 import secrets
 from collections.abc import Callable, Sequence
 
+from geolimit.aio import Coalescer
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.core.decision import Decision
 from geolimit.server.rls.decide import Transaction, decode_batch, encode_batch
@@ -45,51 +46,17 @@ class Executor:
         self._now_us = now_us
         self._nonce = secrets.token_hex(3).encode()  # tells apart registries created in the same microsecond
         self._script = rls_script()
-        self._max_batch = max_batch
-        self._max_in_flight = max_in_flight
-        self._queue: list[tuple[Transaction, asyncio.Future[list[Decision]]]] = []
-        self._lanes = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._batches: Coalescer[Transaction, list[Decision]] = Coalescer(self._run, max_batch, max_in_flight)
 
     async def decide(self, tx: Transaction) -> list[Decision]:
         """The decision of each of ``tx``'s requests (counted only if the transaction is admitted)."""
         if self._limiter.store.clustered:
             return await self._clustered(tx)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[Decision]] = loop.create_future()
-        self._queue.append((tx, future))
-        if self._lanes < self._max_in_flight:
-            self._lanes += 1
-            task = loop.create_task(self._lane())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        return await future
+        return await self._batches.submit(tx)
 
     async def wait(self) -> None:
         """Until the calls in flight are done."""
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _lane(self) -> None:
-        try:
-            while self._queue:
-                size = min(self._max_batch, -(-len(self._queue) // self._max_in_flight))
-                batch = self._queue[:size]
-                del self._queue[:size]
-                try:
-                    results = await self._run([tx for tx, _ in batch])
-                except BaseException as exc:
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    if not isinstance(exc, Exception):
-                        raise
-                    continue
-                for (_, future), decisions in zip(batch, results, strict=True):
-                    if not future.done():
-                        future.set_result(decisions)
-        finally:
-            self._lanes -= 1
+        await self._batches.wait()
 
     async def _prepare(self) -> int | None:
         """Register and check the rules in Redis when due (as the limiter's own calls do); the time."""
