@@ -33,7 +33,7 @@ from geolimit.errors import StorageError
 from geolimit.replication.gossip import EngineSettings, GossipEngine
 from geolimit.replication.redis_io import ReplicationStore
 from geolimit.sim.network import SimNetwork
-from geolimit.sim.scheduler import Scheduler, SkewedClock
+from geolimit.sim.scheduler import Scheduler, SkewedClock, VirtualTime
 
 __all__ = ["SimCluster", "SimRegion"]
 
@@ -51,7 +51,7 @@ class SimRegion:
     gossip: bool = True
 
 
-class SimCluster:
+class SimCluster(VirtualTime):
     """Regions, their Redis databases, their agents and the network between them."""
 
     def __init__(
@@ -152,16 +152,6 @@ class SimCluster:
         self.scheduler.at(when_us, tick)
 
     # -- driving ----------------------------------------------------------------
-
-    @property
-    def now(self) -> float:
-        return self.clock()
-
-    async def advance(self, seconds: float) -> None:
-        await self.scheduler.run_until(self.clock.now_us() + round(seconds * 1_000_000))
-
-    async def run_until(self, when: float) -> None:
-        await self.scheduler.run_until(round(when * 1_000_000))
 
     async def hit(self, region: str, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
         """A decision in ``region`` at the current virtual time."""

@@ -32,7 +32,7 @@ from geolimit.core.escrow import (
     rights,
 )
 from geolimit.sim.network import SimNetwork
-from geolimit.sim.scheduler import Scheduler, SkewedClock
+from geolimit.sim.scheduler import Scheduler, SkewedClock, VirtualTime
 
 __all__ = ["EscrowCluster", "EscrowRegion"]
 
@@ -49,7 +49,7 @@ class EscrowRegion:
     rounds: int = 0
 
 
-class EscrowCluster:
+class EscrowCluster(VirtualTime):
     """Regions running escrow mode for one rule, the links between them, virtual time."""
 
     def __init__(
@@ -185,16 +185,6 @@ class EscrowCluster:
         self.scheduler.at(self.clock.now_us() + net.delay_us(), deliver)
 
     # -- driving --------------------------------------------------------------------
-
-    @property
-    def now(self) -> float:
-        return self.clock()
-
-    async def advance(self, seconds: float) -> None:
-        await self.scheduler.run_until(self.clock.now_us() + round(seconds * 1_000_000))
-
-    async def run_until(self, when: float) -> None:
-        await self.scheduler.run_until(round(when * 1_000_000))
 
     def agree(self) -> bool:
         """Do all regions hold the same transfers for every subject?"""

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from geolimit.core.clock import ManualClock
 
-__all__ = ["Scheduler", "SkewedClock"]
+__all__ = ["Scheduler", "SkewedClock", "VirtualTime"]
 
 
 class SkewedClock:
@@ -97,3 +97,20 @@ class Scheduler:
             await self.settle()
         if until_us > self.clock.now_us():
             self.clock.set_us(until_us)
+
+
+class VirtualTime:
+    """Driving a simulation's virtual time in seconds (a mixin: ``clock`` and ``scheduler``)."""
+
+    clock: ManualClock
+    scheduler: Scheduler
+
+    @property
+    def now(self) -> float:
+        return self.clock()
+
+    async def advance(self, seconds: float) -> None:
+        await self.scheduler.run_until(self.clock.now_us() + round(seconds * 1_000_000))
+
+    async def run_until(self, when: float) -> None:
+        await self.scheduler.run_until(round(when * 1_000_000))
