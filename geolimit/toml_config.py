@@ -248,5 +248,5 @@ def _parse_rule_table(item: object, src: str, where: str) -> tuple[str, list[Rul
         if detail.startswith(f"{src}: "):  # parse_seconds named the file and the key already
             raise ConfigError(detail) from None
         # Rule() already names the rule ("rule 'api': ..."): do not say it twice.
-        prefix = "" if detail.startswith(f"{where}:") or detail.startswith(f"rule {name!r}:") else f"{where}: "
+        prefix = "" if detail.startswith(f"{where}:") else f"{where}: "
         raise ConfigError(f"{src}: {prefix}{detail}") from None

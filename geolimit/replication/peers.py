@@ -93,10 +93,6 @@ class PeerState:
         """Keys queued in this peer's outbox, not in flight."""
         return sum(self.pending.values())
 
-    def acked_from(self, target: str) -> float | None:
-        """When this peer last reported an acknowledgement from ``target`` (our clock)."""
-        age = self.reach.get(target)
-        return None if age is None else self.reach_at - age
 
 def message_caps(shards: list[int], pending: dict[int, int], room: int) -> tuple[list[int], list[int]]:
     """The shards of one batch of pack calls and each one's cell cap, within ``room``.

@@ -248,6 +248,7 @@ local function reservation(info, slots, own_region, limit, res, now, predict, pa
       end
     end
   end
+  if partition ~= 0 then predicted, ends = 0, 0 end  -- the share/closed policy takes over afterwards: no cap
   return units, closed, predicted, ends
 end
 

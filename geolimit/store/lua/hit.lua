@@ -30,7 +30,6 @@ for _ = 1, tonumber(ARGV[4]) do
       info = info or load_peers(reg, peers)
       reserve, closed, predicted, ends = reservation(info, slots or {}, region, limit, res, now, predict, partition,
                                                      tonumber(ARGV[ai + 8]))
-      if partition ~= 0 then predicted = 0 end  -- the share/closed policy takes over afterwards: no cap
     end
     -- One rule: evaluate() below answers the same, so skip this pass.
     if closed or (nr > 1 and not admits(sums, futs, firsts, N, now, cost, limit, res, approx, reserve)) then

@@ -194,8 +194,9 @@ for i = 1, #taken, 2 do
     end
   end
 end
--- Move what was sent from the outbox into in-flight slot w: one field per call,
--- '#<n>' -> msgpack {key, entry, ...} (cheaper than one hash field per key).
+-- Move what was sent from the outbox into in-flight slot w: the whole outbox by
+-- RENAME when all of it was taken into an empty slot (O(1)), else one field per
+-- call, '#<n>' -> msgpack {key, entry, ...} (cheaper than one hash field per key).
 local emptied = whole and nd * 2 == #taken
 local queued_at = nm > 0 and call('GET', since)
 if emptied and nm > 0 and call('EXISTS', flight) == 0 then
