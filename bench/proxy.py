@@ -1,11 +1,12 @@
 """Overhead of `geolimit proxy` against calling the upstream directly, measured in the same run.
 
-    python bench/proxy.py [--rounds 9] [--seq 600] [--seconds 1.5] [--concurrency 32] [--json PATH]
+    python bench/proxy.py [--rounds 9] [--seq 600] [--seconds 1.5] [--concurrency 32] [--workers N] [--json PATH]
 
 Four processes on loopback: an embedded redis-server, an aiohttp upstream app, the
 proxy (``python -m geolimit.cli proxy``, library mode: one rule with a huge limit
-on every path, so each proxied request makes a real Redis decision) and one load
-generator process (aiohttp client). In every round the generator measures, in
+on every path, so each proxied request makes a real Redis decision; ``--workers N``
+runs N proxy processes on one port under a supervisor) and one load generator
+process (aiohttp client). In every round the generator measures, in
 alternating order, the direct path and the proxied path:
 
 * latency: ``--seq`` sequential GETs each; the round's figure is the difference of
@@ -152,12 +153,23 @@ class Child:
                 self.proc.wait()
 
 
-def start_proxy(upstream: str, redis_url: str, workdir: Path) -> tuple[subprocess.Popen[str], str, str]:
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_proxy(upstream: str, redis_url: str, workdir: Path,
+                workers: int) -> tuple[subprocess.Popen[str], str, str, list[int]]:
+    """The proxy process, its URL, its admin URL and the pids doing the work (its workers, if any)."""
     config = workdir / "proxy.toml"
+    ports = (free_port(), free_port()) if workers > 1 else (0, 0)  # workers share fixed ports
     config.write_text(f"""
 [proxy]
-listen = "127.0.0.1:0"
-admin_listen = "127.0.0.1:0"
+listen = "127.0.0.1:{ports[0]}"
+admin_listen = "127.0.0.1:{ports[1]}"
 upstreams = ["{upstream}"]
 region = "bench"
 redis_url = "{redis_url}"
@@ -173,15 +185,21 @@ limits = [ {{ rule = "bench", key = "ip" }} ]
 [log]
 level = "INFO"
 """)
-    proc = subprocess.Popen([sys.executable, "-m", "geolimit.cli", "proxy", "--config", str(config)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "geolimit.cli", "proxy", "--config", str(config),
+                             "--workers", str(workers)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     deadline = time.monotonic() + 30
+    pids, listening = [proc.pid], 0
     while time.monotonic() < deadline:
         line = proc.stderr.readline()
+        started = re.search(r"started \d+ workers \(pids ([\d, ]+);", line)
+        if started:
+            pids = [int(pid) for pid in started.group(1).split(", ")]
         found = re.search(r"listening on (http://\S+) \(admin: (http://[0-9.:]+)", line)
         if found:
-            return proc, found.group(1), found.group(2)
+            listening += 1
+            if listening == workers:
+                return proc, found.group(1), found.group(2), pids
         if not line and proc.poll() is not None:
             break
     raise SystemExit("the proxy did not start")
@@ -217,15 +235,18 @@ def run(args: argparse.Namespace) -> int:
         assert upstream.proc.stdout is not None
         upstream_url = f"http://127.0.0.1:{int(upstream.proc.stdout.readline())}"
         with tempfile.TemporaryDirectory() as tmp:
-            proxy_proc, proxy_url, admin = start_proxy(upstream_url, redis_server.url, Path(tmp))
+            proxy_proc, proxy_url, admin, proxy_pids = start_proxy(upstream_url, redis_server.url, Path(tmp),
+                                                                   args.workers)
             targets = {"direct": upstream_url + "/api/items", "proxy": proxy_url + "/api/items"}
             for url in targets.values():  # warm up connections, code paths and Redis scripts
                 loadgen.ask({"url": url, "mode": "seq", "n": 300})
                 loadgen.ask({"url": url, "mode": "conc", "workers": args.concurrency, "seconds": 0.3})
+            if args.workers > 1:
+                time.sleep(1.5)  # the other workers' shared figures are up to 1 s old
             before = decisions(admin)
             load_before = os.getloadavg()[0]
-            pids = {"load generator": loadgen.proc.pid, "upstream": upstream.proc.pid, "proxy": proxy_proc.pid,
-                    "redis-server": redis_server.pid or 0}
+            pids = {"load generator": [loadgen.proc.pid], "upstream": [upstream.proc.pid], "proxy": proxy_pids,
+                    "redis-server": [redis_server.pid or 0]}
             rounds: list[dict[str, Any]] = []
             proxied_requests = 0
             for i in range(args.rounds):
@@ -233,11 +254,11 @@ def run(args: argparse.Namespace) -> int:
                 seq = {name: loadgen.ask({"url": targets[name], "mode": "seq", "n": args.seq}) for name in order}
                 conc, cpu = {}, {}
                 for name in order:
-                    start = {proc: cpu_seconds(pid) for proc, pid in pids.items()}
+                    start = {proc: sum(map(cpu_seconds, ids)) for proc, ids in pids.items()}
                     conc[name] = loadgen.ask({"url": targets[name], "mode": "conc", "workers": args.concurrency,
                                               "seconds": args.seconds})
-                    cpu[name] = {proc: (cpu_seconds(pid) - start[proc]) / max(1, conc[name]["requests"]) * 1e6
-                                 for proc, pid in pids.items()}
+                    cpu[name] = {proc: (sum(map(cpu_seconds, ids)) - start[proc]) / max(1, conc[name]["requests"]) * 1e6
+                                 for proc, ids in pids.items()}
                 errors = sum(r["errors"] for r in (*seq.values(), *conc.values()))
                 if errors:
                     raise SystemExit(f"round {i}: {errors} non-200 answers")
@@ -254,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"round {i + 1}/{args.rounds}: direct {r['direct_ms']:.3f} ms, proxy {r['proxy_ms']:.3f} ms "
                       f"(+{r['added_ms']:.3f}); {r['direct_rps']:.0f} vs {r['proxy_rps']:.0f} req/s "
                       f"({r['ratio']:.0%})", flush=True)
+            if args.workers > 1:
+                time.sleep(1.5)  # the other workers' shared figures are up to 1 s old
             decided = decisions(admin) - before
             load_after = os.getloadavg()[0]
     finally:
@@ -281,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     print(f"\ngeolimit proxy overhead: {args.rounds} interleaved rounds, medians over rounds "
           f"(python {platform.python_version()}, aiohttp {aiohttp.__version__}, proxy on {loop}, "
-          f"{os.cpu_count()} CPUs)")
+          f"{os.cpu_count()} CPUs, {args.workers} proxy worker{'s' if args.workers > 1 else ''})")
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     print(f"Redis decisions made by the proxy during the rounds: {decided:.0f} "
@@ -309,6 +332,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=600, help="sequential requests per path per round")
     parser.add_argument("--seconds", type=float, default=1.5, help="seconds of concurrent load per path per round")
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--workers", type=int, default=1, help="proxy processes sharing the port (geolimit proxy --workers)")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     if args.role == "upstream":

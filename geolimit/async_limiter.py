@@ -9,6 +9,7 @@ independently; batching only saves round trips.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from geolimit.core.keys import KeyLayout, encode_subject
 from geolimit.core.rule import Rule
 from geolimit.core.usage import Usage, summarize
 from geolimit.errors import StorageError
-from geolimit.limiter_base import LimiterBase, OnError, RuleSpec
+from geolimit.limiter_base import ESCROW_FIELD, LimiterBase, OnError, RuleSpec, rule_spec
 from geolimit.store.async_store import AsyncClusterStore, AsyncRedisStore, AsyncStore
 from geolimit.store.connect import open_async_store
 from geolimit.store.protocol import (
@@ -101,10 +102,20 @@ class AsyncLimiter(LimiterBase):
         return self._store
 
     async def hit(self, rules: RuleSpec, subject: str | bytes, cost: int = 1) -> Decision:
+        if self._escrow is None and self._rules_check_due():
+            await self._check_before_building()
         return await self._submit(self._request(rules, subject, cost, True))
 
     async def peek(self, rules: RuleSpec, subject: str | bytes, cost: int = 1) -> Decision:
+        if self._escrow is None and self._rules_check_due():
+            await self._check_before_building()
         return await self._submit(self._request(rules, subject, cost, False))
+
+    async def _check_before_building(self) -> None:
+        """Look for the regions of escrow mode before a request is built with them."""
+        if self._has_escrow():
+            with contextlib.suppress(StorageError):  # _decide meets the same error and applies on_error
+                await self._check_rules()
 
     async def hit_many(self, requests: Sequence[tuple[RuleSpec, str | bytes, int]]) -> list[Decision]:
         built = [self._request(rules, subject, cost, True) for rules, subject, cost in requests]
@@ -182,7 +193,7 @@ class AsyncLimiter(LimiterBase):
         """Raise ConfigError if any of ``rules`` disagrees with this Redis (no changes made)."""
         rules = list(rules)
         names = [r.name for r in rules]
-        specs = [b"%d/%d" % r.structure for r in rules]
+        specs = [rule_spec(r) for r in rules]
         if not names:
             return
         try:
@@ -207,8 +218,10 @@ class AsyncLimiter(LimiterBase):
                     pipe.hsetnx(key, name, spec)
                 pipe.hmget(key, names)
                 pipe.pexpire(key, ttl_ms)
-                theirs = (await pipe.execute())[-2]
+                pipe.hget(key, ESCROW_FIELD)
+                *_, theirs, _, escrow = await pipe.execute()
             except RedisError as exc:
                 raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
             self._verify_rule_specs(names, specs, theirs)
+            self._apply_escrow_field(escrow)
             self._rules_checked()

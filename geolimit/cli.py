@@ -72,7 +72,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 def _cmd_proxy(args: argparse.Namespace) -> int:
     from geolimit.proxy.run import run_proxy
 
-    return run_proxy(args.config)
+    return run_proxy(args.config, workers=args.workers, worker_index=args.worker_index)
 
 
 def _read_token(path: str) -> str:
@@ -193,11 +193,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
     ready = "ready" if status.get("ready") else "NOT READY: " + "; ".join(status.get("waiting_for", []))
     worker = status.get("worker") or {}
     shown = ""
-    if worker.get("workers", 1) > 1:  # outboxes and counters are those of the worker that answered
+    region_peers = worker.get("region_peers") or {}
+    if worker.get("workers", 1) > 1:  # counters are those of the worker that answered
         shown = f"  worker {worker.get('index')} of {worker.get('workers')} ({worker.get('shards')} shards)"
+        if region_peers:
+            shown += "; last contact, lag and outbox: all workers"
     print(f"region {region}  incarnation {status.get('incarnation')}  {ready}{shown}")
     rows = [("peer", "last contact", "lag", "outbox", "errors", "failing", "rtt", "clock", "last error")]
     for name, peer in sorted(status.get("peers", {}).items()):
+        peer = {**peer, **region_peers.get(name, {})}  # the region's figures where the workers share them
         age = peer.get("last_contact_age")
         last_error = peer.get("last_error")
         rows.append((
@@ -271,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("proxy", help="run the rate-limiting HTTP reverse proxy")
     p.add_argument("--config", required=True, help="proxy TOML file")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="proxy processes sharing the port, 1 to 64 (overrides [proxy] workers; default 1)")
+    p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by the supervisor
     p.set_defaults(handler=_cmd_proxy)
 
     p = sub.add_parser(

@@ -121,4 +121,5 @@ class RateLimited(GeolimitError):
 
 
 class NetsimError(GeolimitError, RuntimeError):
-    """A netsim background task crashed; ``__cause__`` is the original exception."""
+    """A netsim background task crashed (``__cause__`` is the original exception), or a
+    :class:`~geolimit.netsim.FaultyLink` was started twice or used before ``start()``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -15,7 +16,7 @@ from geolimit.core.keys import KeyLayout, encode_subject
 from geolimit.core.rule import Rule
 from geolimit.core.usage import Usage, summarize
 from geolimit.errors import StorageError
-from geolimit.limiter_base import LimiterBase, OnError, RuleSpec
+from geolimit.limiter_base import ESCROW_FIELD, LimiterBase, OnError, RuleSpec
 from geolimit.store.connect import open_sync_store
 from geolimit.store.protocol import (
     HitRequest,
@@ -95,11 +96,19 @@ class Limiter(LimiterBase):
 
     def hit(self, rules: RuleSpec, subject: str | bytes, cost: int = 1) -> Decision:
         """Consume ``cost`` from every named rule if all of them allow it."""
+        self._check_before_building()
         return self._decide([self._request(rules, subject, cost, True)])[0]
 
     def peek(self, rules: RuleSpec, subject: str | bytes, cost: int = 1) -> Decision:
         """Would a hit of ``cost`` be allowed now? Consumes nothing."""
+        self._check_before_building()
         return self._decide([self._request(rules, subject, cost, False)])[0]
+
+    def _check_before_building(self) -> None:
+        """Look for the regions of escrow mode before a request is built with them."""
+        if self._escrow is None and self._rules_check_due() and self._has_escrow():
+            with contextlib.suppress(StorageError):  # _decide meets the same error and applies on_error
+                self._check_rules()
 
     def hit_many(
         self, requests: Sequence[tuple[RuleSpec, str | bytes, int]], *, max_batch: int = 128
@@ -181,8 +190,10 @@ class Limiter(LimiterBase):
                 pipe.hsetnx(key, name, spec)
             pipe.hmget(key, names)
             pipe.pexpire(key, ttl_ms)
-            theirs = pipe.execute()[-2]
+            pipe.hget(key, ESCROW_FIELD)
+            *_, theirs, _, escrow = pipe.execute()
         except RedisError as exc:
             raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
         self._verify_rule_specs(names, specs, theirs)
+        self._apply_escrow_field(escrow)
         self._rules_checked()

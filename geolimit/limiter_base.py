@@ -16,9 +16,16 @@ from geolimit.core.decision import Decision, degraded_decision
 from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout, encode_subject
 from geolimit.core.rule import Rule
 from geolimit.errors import ConfigError, RequestError, StorageError, UnknownRuleError
-from geolimit.store.protocol import MAX_COST, HitRequest, RequestBuilder, RulePlan, validate_cost
+from geolimit.store.protocol import (
+    MAX_COST,
+    EscrowPlacement,
+    HitRequest,
+    RequestBuilder,
+    RulePlan,
+    validate_cost,
+)
 
-__all__ = ["LimiterBase", "OnError", "RuleSpec", "validate_region"]
+__all__ = ["ESCROW_FIELD", "LimiterBase", "OnError", "RuleSpec", "parse_escrow_field", "rule_spec", "validate_region"]
 
 OnError = Literal["raise", "allow", "deny"]
 RuleSpec = str | Rule | Sequence[str | Rule]
@@ -31,6 +38,38 @@ RULE_CHECK_INTERVAL = 60.0
 # Field of the rules hash naming the region that owns this Redis and prefix; "@" is
 # not allowed in rule names, so it cannot collide with one.
 REGION_FIELD = "@region"
+#: Field of the rules hash where the agent publishes the regions of escrow mode:
+#: ``"<region>,<region>,...;<wait_us>"`` (sorted names; how soon a peer's rights arrive).
+ESCROW_FIELD = "@escrow"
+#: How often a limiter with escrow rules looks for the regions while it does not know them.
+ESCROW_LOOKUP_INTERVAL = 1.0
+
+
+def rule_spec(rule: Rule) -> bytes:
+    """A rule's structure as kept in the rules hash: ``window_us/resolution_us`` (``/escrow`` added)."""
+    window_us, resolution_us, escrow = rule.structure
+    return b"%d/%d%s" % (window_us, resolution_us, b"/escrow" if escrow else b"")
+
+
+def _describe_spec(spec: bytes) -> str:
+    parts = spec.split(b"/")
+    try:
+        text = f"window {int(parts[0]) / 1e6:g}s and resolution {int(parts[1]) / 1e6:g}s"
+    except (ValueError, IndexError):
+        return repr(spec)
+    return text + (" in escrow mode" if parts[2:] == [b"escrow"] else "")
+
+
+def parse_escrow_field(raw: bytes | str | None) -> tuple[tuple[str, ...], int] | None:
+    """``(sorted regions, wait_us)`` from the agent's :data:`ESCROW_FIELD`, or None if absent or malformed."""
+    if raw is None:
+        return None
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    names, _, wait = text.partition(";")
+    regions = tuple(sorted(n for n in names.split(",") if n))
+    if not regions or not wait.isdigit() or any(not _REGION_RE.match(n) for n in regions):
+        return None
+    return regions, int(wait)
 
 
 def validate_region(region: object) -> str:
@@ -61,6 +100,7 @@ class LimiterBase:
         self._micros = micros_source(clock)
         self._rules: dict[str, Rule] = {}
         self._plans: dict[str, RulePlan] = {}
+        self._escrow: EscrowPlacement | None = None
         self._builder = RequestBuilder(self._layout)
         self._check_due = 0.0
         self._last_degraded_log = 0.0
@@ -89,8 +129,34 @@ class LimiterBase:
                 raise ConfigError(f"duplicate rule name {rule.name!r}")
             new[rule.name] = rule
         self._rules = new
-        self._plans = {name: RulePlan.of(rule) for name, rule in new.items()}
+        self._plans = {name: RulePlan.of(rule, self._escrow) for name, rule in new.items()}
         self._check_due = 0.0
+
+    @property
+    def escrow_regions(self) -> tuple[str, ...] | None:
+        """The regions of escrow mode as the agent published them (None: not known yet)."""
+        return None if self._escrow is None else self._escrow.regions
+
+    def use_escrow_regions(self, regions: Iterable[str], wait_us: int) -> None:
+        """Take the regions of escrow mode directly (the agent's own limiter does)."""
+        self._apply_escrow_field(",".join(sorted(regions)) + f";{wait_us}")
+
+    def _has_escrow(self) -> bool:
+        return any(rule.escrow for rule in self._rules.values())
+
+    def _apply_escrow_field(self, raw: bytes | str | None) -> None:
+        """Take the regions the agent published (see :data:`ESCROW_FIELD`); escrow rules are
+        denied while they are unknown or do not name this region."""
+        parsed = parse_escrow_field(raw)
+        placement = None
+        if parsed is not None and self._region in parsed[0]:
+            placement = EscrowPlacement(parsed[0], self._region, parsed[1])
+        elif parsed is not None:
+            log.warning("geolimit: the agent's regions %s do not name this region %r: escrow rules are denied",
+                        ",".join(parsed[0]), self._region)
+        if placement != self._escrow:
+            self._escrow = placement
+            self._plans = {name: RulePlan.of(rule, placement) for name, rule in self._rules.items()}
 
     def rule(self, name: str) -> Rule:
         try:
@@ -120,7 +186,7 @@ class LimiterBase:
         if type(spec) is str and spec in self._plans:
             plans = (self._plans[spec],)
         else:
-            plans = tuple(self._plans.get(r.name) or RulePlan.of(r) for r in self._resolve(spec))
+            plans = tuple(self._plans.get(r.name) or RulePlan.of(r, self._escrow) for r in self._resolve(spec))
         if type(subject) is str:
             data = subject.encode("utf-8", "surrogatepass")
             if len(data) > MAX_SUBJECT_BYTES:
@@ -138,13 +204,14 @@ class LimiterBase:
         return time.monotonic() >= self._check_due
 
     def _rules_checked(self) -> None:
-        self._check_due = time.monotonic() + RULE_CHECK_INTERVAL
+        wait = ESCROW_LOOKUP_INTERVAL if self._escrow is None and self._has_escrow() else RULE_CHECK_INTERVAL
+        self._check_due = time.monotonic() + wait
 
     def _rule_check_plan(self) -> tuple[list[str], list[bytes], int]:
         """Fields to HSETNX into the rules hash and compare: each rule's structure,
         then this region's name under :data:`REGION_FIELD` (no rules: nothing)."""
         names = sorted(self._rules)
-        specs = [b"%d/%d" % self._rules[n].structure for n in names]
+        specs = [rule_spec(self._rules[n]) for n in names]
         if names:
             names.append(REGION_FIELD)
             specs.append(self._region_b)
@@ -159,13 +226,10 @@ class LimiterBase:
                 self._verify_region(have)
                 continue
             if have is not None and have != want:
-                w_win, w_res = (int(x) / 1e6 for x in want.split(b"/"))
-                h_win, h_res = (int(x) / 1e6 for x in have.split(b"/"))
                 raise ConfigError(
-                    f"rule {name!r} has window {w_win:g}s and resolution {w_res:g}s here, but "
-                    f"window {h_win:g}s and resolution {h_res:g}s in Redis: every app and agent "
-                    f"sharing this Redis must agree on them (the limit may differ); rename the "
-                    f"rule to change its window or resolution"
+                    f"rule {name!r} has {_describe_spec(want)} here, but {_describe_spec(have)} in Redis: "
+                    f"every app and agent sharing this Redis must agree on them and on escrow mode (the limit "
+                    f"may differ); rename the rule to change its window, resolution or mode"
                 )
 
     def _verify_region(self, have: bytes | str | None) -> None:

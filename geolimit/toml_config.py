@@ -36,7 +36,9 @@ __all__ = [
 #: The keys of a ``[log]`` table.
 LOG_KEYS = {"format", "level"}
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_RULE_KEYS = {"name", "limit", "window", "resolution", "mode", "predict", "partition", "partition_after"}
+_RULE_KEYS = {"name", "limit", "window", "resolution", "mode", "predict", "partition", "partition_after", "escrow"}
+#: Rule keys that do not apply to an escrow rule.
+_NOT_ESCROW_KEYS = ("mode", "predict", "partition", "partition_after")
 
 
 def load_toml(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Path]:
@@ -237,7 +239,14 @@ def _parse_rule_table(item: object, src: str, where: str) -> tuple[str, list[Rul
         mode = item.get("mode", "strict")
         if mode not in ("strict", "approximate"):
             raise ConfigError(f"mode must be 'strict' or 'approximate', got {mode!r}")
-        options: dict[str, Any] = {key: item[key] for key in ("predict", "partition") if key in item}
+        options: dict[str, Any] = {key: item[key] for key in ("predict", "partition", "escrow") if key in item}
+        if item.get("escrow") is True:
+            given = [key for key in _NOT_ESCROW_KEYS if key in item]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not apply to an escrow rule "
+                    f"(escrow = true): remove {' and '.join(given)} or escrow"
+                )
         if "partition_after" in item:
             options["partition_after"] = parse_seconds(item["partition_after"], src, f"{where}.partition_after")
         if len(rates) > 1:

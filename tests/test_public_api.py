@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import subprocess
+import sys
 
 import pytest
 
@@ -119,3 +121,27 @@ def test_one_except_clause_catches_what_the_api_raises() -> None:
     assert issubclass(errors.PeerRefused, errors.TransportError)
     assert issubclass(errors.AuthenticationError, errors.ProtocolError)
     assert issubclass(errors.NetsimError, RuntimeError)
+
+
+def test_bad_arguments_to_public_helpers_raise_errors_of_the_tree() -> None:
+    with pytest.raises(geolimit.RequestError, match="never goes backwards"):
+        geolimit.ManualClock().advance(-1.0)
+    layout = geolimit.KeyLayout()
+    assert layout.parse_data_key(layout.data_key("api", b"u:1")) == (layout.shard_of(b"u:1"), "api", b"u:1")
+    for junk in (b"zzz", b"gl:{x}:api:u", b"gl:{3}api:u", b"gl:{3}:api", b"gl:{3}:\xff:u"):
+        with pytest.raises(geolimit.RequestError, match="not a geolimit data key"):
+            layout.parse_data_key(junk)
+
+
+#: What a service imports to rate-limit: the library, the middleware, the agent and the proxy.
+RUNTIME = ["geolimit", "geolimit.middleware", "geolimit.server.run", "geolimit.proxy.run", "geolimit.cli"]
+#: Test and demo support: never imported by RUNTIME (store.embedded loads ctypes and starts
+#: redis-server processes; sim, netsim and demo are harnesses).
+SUPPORT = ["geolimit.store.embedded", "geolimit.sim", "geolimit.netsim", "geolimit.demo", "ctypes"]
+
+
+def test_the_runtime_never_imports_test_and_demo_support() -> None:
+    code = (f"import importlib, sys\nfor m in {RUNTIME!r}: importlib.import_module(m)\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] == 'ctypes' or m.startswith({tuple(SUPPORT)!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from geolimit.errors import RequestError
+
 __all__ = ["Clock", "ManualClock", "micros_source"]
 
 Clock = Callable[[], float]
@@ -30,12 +32,12 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         if seconds < 0:
-            raise ValueError("a ManualClock never goes backwards; use set() to jump")
+            raise RequestError("a ManualClock never goes backwards; use set() to jump")
         self._now_us += round(seconds * 1_000_000)
 
     def advance_us(self, micros: int) -> None:
         if micros < 0:
-            raise ValueError("a ManualClock never goes backwards; use set() to jump")
+            raise RequestError("a ManualClock never goes backwards; use set() to jump")
         self._now_us += micros
 
     def set(self, seconds: float) -> None:

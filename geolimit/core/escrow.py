@@ -56,9 +56,11 @@ __all__ = [
     "give",
     "merge",
     "plan",
+    "plan_round",
     "rebalance",
     "rights",
     "share",
+    "spare_elsewhere",
     "targets",
 ]
 
@@ -190,9 +192,9 @@ class Ledger:
 
     def counts(self, step: int, now_us: int) -> bool:
         """Whether ``step``'s admissions may still lie in the window ``[now - W, now]``: every
-        step overlapping it does, except an oldest step whose last admission the window has passed."""
+        step overlapping it (or newer) does, except an oldest step whose last admission the window has passed."""
         current = now_us // self.step_us
-        if current - self.n < step <= current:
+        if current - self.n < step:  # (a step ahead of now, after the clock stepped back, counts too)
             return True
         own = self.buckets.get(step)
         return step == current - self.n and own is not None and own.last_us >= now_us - self.window_us
@@ -235,7 +237,7 @@ def decide(
     allowed = cost <= limit and used + cost <= rights_now
     b = now_us // ledger.step_us
     own = ledger.buckets.get(b, OwnBucket())
-    if allowed:
+    if allowed and cost > 0:  # (a request of cost 0 leaves no trace in the window)
         own = OwnBucket(own.admitted + cost, now_us, own.requested + cost)
         used += cost
     else:
@@ -335,17 +337,36 @@ def plan(seen: Mapping[str, View], goal: Mapping[str, int], minimum: int = 1) ->
     return out
 
 
+def spare_elsewhere(state: EscrowState, me: str, limit: int, rights_me: int, bucket: int, n: int) -> int:
+    """Rights the other regions hold unused, as ``me`` sees them: the limit less its own
+    rights less the others' advertised use (adverts of the last ``n`` buckets)."""
+    spare = limit - rights_me
+    for region, ad in state.adverts.items():
+        if region != me and ad.version and bucket - ad.bucket <= n:
+            spare -= ad.used
+    return spare
+
+
 def rebalance(
     state: EscrowState, me: str, regions: Sequence[str], limit: int, ledger: Ledger, now_us: int,
     live: Iterable[str], minimum: int = 1,
 ) -> tuple[EscrowState, dict[str, int]]:
     """One round for ``me``: advertise its use and demand, then give its row of the plan
     to live regions, never more than its spare (rights minus own use) at this instant."""
-    used, demand = ledger.used(now_us), ledger.demand(now_us)
-    bucket = now_us // ledger.resolution_us
+    return plan_round(
+        state, me, regions, limit, ledger.used(now_us), ledger.demand(now_us), now_us // ledger.resolution_us,
+        ledger.window_us // ledger.resolution_us, live, minimum,
+    )
+
+
+def plan_round(
+    state: EscrowState, me: str, regions: Sequence[str], limit: int, used: int, demand: int, bucket: int, n: int,
+    live: Iterable[str], minimum: int = 1,
+) -> tuple[EscrowState, dict[str, int]]:
+    """:func:`rebalance` from ``me``'s own use and demand in ``bucket`` (``n`` buckets per window)."""
     state = advertise(state, me, used, demand, bucket)
     members = [r for r in regions if r == me or r in set(live)]
-    seen = views(state, me, regions, limit, used, demand, bucket, ledger.window_us // ledger.resolution_us)
+    seen = views(state, me, regions, limit, used, demand, bucket, n)
     seen = {r: seen[r] for r in members}
     initial = {r: share(limit, regions, r) for r in members}
     spare = rights(state, me, regions, limit) - used

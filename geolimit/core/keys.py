@@ -93,23 +93,25 @@ class KeyLayout:
     def rules_key(self) -> bytes:
         return self.prefix.encode() + b"#rules"
 
-    def data_pattern(self, shard: int) -> bytes:
-        """A SCAN MATCH pattern for the data keys of one shard."""
+    def data_pattern(self, shard: int | None = None) -> bytes:
+        """A SCAN MATCH pattern for the data keys of one shard (``None``: of every shard)."""
+        if shard is None:
+            return glob_escape(self.prefix.encode()) + b":{*}:*"
         return glob_escape(self.tag(shard)) + b":*"
 
     def parse_data_key(self, key: bytes) -> tuple[int, str, bytes]:
-        """``(shard, rule, subject)`` of a data key; ``ValueError`` if it is not one."""
+        """``(shard, rule, subject)`` of a data key; :class:`~geolimit.errors.RequestError` if it is not one."""
         p: bytes = self._p  # type: ignore[attr-defined]
-        if not key.startswith(p + b":{"):
-            raise ValueError(f"not a geolimit data key: {key!r}")
         close = key.find(b"}", len(p) + 2)
-        if close < 0 or key[close + 1 : close + 2] != b":":
-            raise ValueError(f"not a geolimit data key: {key!r}")
-        shard = int(key[len(p) + 2 : close])
         rule, sep, subject = key[close + 2 :].partition(b":")
-        if not sep:
-            raise ValueError(f"not a geolimit data key: {key!r}")
-        return shard, rule.decode(), subject
+        shard = key[len(p) + 2 : close]
+        if (not key.startswith(p + b":{") or close < 0 or key[close + 1 : close + 2] != b":" or not sep
+                or not shard.isdigit()):
+            raise RequestError(f"not a geolimit data key: {key!r}")
+        try:
+            return int(shard), rule.decode(), subject
+        except UnicodeDecodeError:
+            raise RequestError(f"not a geolimit data key: {key!r}") from None
 
 
 def glob_escape(data: bytes) -> bytes:

@@ -211,6 +211,11 @@ class Rule:
     ``partition_after`` seconds: ``"local"`` keeps deciding on the last known
     counts, ``"share"`` caps every side of the partition at its fair share,
     ``"closed"`` denies. None of these change the rule's keys.
+
+    ``escrow=True`` makes the limit a hard bound across regions (see
+    :mod:`geolimit.core.escrow`): each region admits only within the rights it
+    holds, and rights move between regions every gossip round. ``mode``,
+    ``predict``, ``partition`` and ``partition_after`` do not apply to it.
     """
 
     name: str
@@ -221,6 +226,7 @@ class Rule:
     predict: bool = True
     partition: Partition = "local"
     partition_after: float = 1.0
+    escrow: bool = False
 
     resolution_us: int = field(init=False, repr=False, compare=False)
     window_us: int = field(init=False, repr=False, compare=False)
@@ -229,6 +235,7 @@ class Rule:
     ring: int = field(init=False, repr=False, compare=False)
     ttl_ms: int = field(init=False, repr=False, compare=False)
     partition_after_us: int = field(init=False, repr=False, compare=False)
+    escrow_steps: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -250,6 +257,7 @@ class Rule:
         if not isinstance(self.predict, bool):
             raise ConfigError(f"rule {self.name!r}: predict must be true or false, got {self.predict!r}")
         object.__setattr__(self, "partition_after_us", _to_us(self.partition_after, "partition_after", self.name))
+        self._check_escrow()
         window_us = _to_us(self.window, "window", self.name)
         too_long = _window_too_long(self.window)
         if too_long:
@@ -285,6 +293,27 @@ class Rule:
         object.__setattr__(self, "ring", buckets + future + 1)
         ttl_us = window_us + (future + 2) * resolution_us
         object.__setattr__(self, "ttl_ms", -(-ttl_us // 1000))
+        # Escrow mode counts a region's own admissions in steps of resolution / k:
+        # the largest of 4, 2, 1 that splits a bucket into whole microseconds.
+        object.__setattr__(self, "escrow_steps", next(k for k in (4, 2, 1) if resolution_us % k == 0))
+
+    def _check_escrow(self) -> None:
+        if not isinstance(self.escrow, bool):
+            raise ConfigError(f"rule {self.name!r}: escrow must be true or false, got {self.escrow!r}")
+        if not self.escrow:
+            return
+        combined = [
+            name for name, given, default in (
+                ("mode", self.mode, "strict"), ("predict", self.predict, True),
+                ("partition", self.partition, "local"), ("partition_after", self.partition_after, 1.0),
+            ) if given != default
+        ]
+        if combined:
+            raise ConfigError(
+                f"rule {self.name!r}: {', '.join(combined)} do{'es' if len(combined) == 1 else ''} not apply to an "
+                f"escrow rule (escrow = true admits only within this region's rights, whatever the timing): "
+                f"remove {' and '.join(combined)} or escrow"
+            )
 
     @classmethod
     def from_string(
@@ -343,13 +372,15 @@ class Rule:
         return replace(self, limit=limit)
 
     @property
-    def structure(self) -> tuple[int, int]:
-        """What must match between every writer of this rule's keys."""
-        return (self.window_us, self.resolution_us)
+    def structure(self) -> tuple[int, int, int]:
+        """What must match between every writer of this rule's keys: window, resolution
+        and whether the rule is in escrow mode (1) or gossip mode (0)."""
+        return (self.window_us, self.resolution_us, 1 if self.escrow else 0)
 
     def describe(self) -> str:
         """A short human description, such as ``"100/60s (6s buckets, strict)"``."""
-        return f"{self.limit}/{_fmt_seconds(self.window)} ({_fmt_seconds(self.resolution_us / 1e6)} buckets, {self.mode})"
+        kind = "escrow" if self.escrow else self.mode
+        return f"{self.limit}/{_fmt_seconds(self.window)} ({_fmt_seconds(self.resolution_us / 1e6)} buckets, {kind})"
 
 
 def _fmt_seconds(seconds: float | None) -> str:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from geolimit.core.decision import Decision, RuleDecision, combine
-from geolimit.errors import GeolimitError, StorageError
+from geolimit.errors import GeolimitError, RequestError, StorageError
 from geolimit.http.headers import QuotaUnit, rate_limit_headers
 from geolimit.http.keys import CostSpec, KeySpec, Network, RequestInfo, Route, trusted_networks
 
@@ -178,7 +178,7 @@ class Guard:
             subject = limit.key.subject(request, params, policy.route.template, self.trusted)
             try:
                 cost = limit.cost.cost(request)
-            except ValueError as exc:
+            except RequestError as exc:
                 return Verdict(False, bad_request=f"cannot read the cost of rule {limit.rule!r}: {exc}")
             spec = limit.cost.spec
             if spec == 1 and cost == 1:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from urllib.parse import quote
 
 from geolimit.core.decision import Decision, RuleDecision
+from geolimit.errors import RequestError
 
 __all__ = [
     "PROBLEM_TYPE", "QUOTA_EXCEEDED", "QuotaUnit", "problem_body", "problem_document", "problem_instance",
@@ -151,7 +152,7 @@ def rate_limit_headers(
     """
     results = decision.results or ()
     if units is not None and len(units) != len(results):
-        raise ValueError(f"{len(units)} quota units for {len(results)} rule results")
+        raise RequestError(f"{len(units)} quota units for {len(results)} rule results")
     retry = None if decision.allowed else _retry_after(decision)
     shown = [_Shown(r, units[i] if units is not None else _REQUEST, retry) for i, r in enumerate(results)]
     headers = [

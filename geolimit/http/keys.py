@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from geolimit.core.keys import MAX_SUBJECT_BYTES
-from geolimit.errors import ConfigError
+from geolimit.errors import ConfigError, RequestError
 
 __all__ = [
     "CostSpec", "KeySpec", "RequestInfo", "Route", "bounded_subject", "client_address", "parse_forwarded",
@@ -175,20 +175,23 @@ class CostSpec:
             raise ConfigError(f"invalid cost {spec!r}: use an integer >= 0, 'body' or 'header:NAME'")
 
     def cost(self, request: RequestInfo) -> int:
-        """The cost; :class:`ValueError` if the request's header or body size is unusable."""
+        """The cost; :class:`~geolimit.errors.RequestError` if the request's header or body size is unusable."""
         spec = self.spec
         if isinstance(spec, int):
             return spec
         if spec == "body":
             if request.content_length is None:
-                raise ValueError("a byte-quota route needs a Content-Length")
+                raise RequestError("a byte-quota route needs a Content-Length")
             return request.content_length
         raw = request.header(spec[7:].lower())
         if raw is None:
             return 0
-        value = int(raw.strip())  # ValueError for garbage
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise RequestError(f"{spec[7:]} must be an integer, got {raw[:64]!r}") from None
         if value < 0:
-            raise ValueError(f"{spec[7:]} must not be negative")
+            raise RequestError(f"{spec[7:]} must not be negative")
         return value
 
 
@@ -204,8 +207,11 @@ class Route:
     pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not self.template.startswith("/"):
-            raise ConfigError(f"invalid route {self.template!r}: it must start with /")
+        if not isinstance(self.template, str) or not self.template.startswith("/"):
+            raise ConfigError(f"invalid route {self.template!r}: it must be a path that starts with /")
+        names = _PARAM_RE.findall(self.template)
+        if len(set(names)) != len(names):
+            raise ConfigError(f"invalid route {self.template!r}: each {{name}} may appear once")
         regex = ""
         pos = 0
         for match in _PARAM_RE.finditer(self.template):

@@ -44,6 +44,7 @@ from dataclasses import dataclass, fields, replace
 from types import TracebackType
 from typing import Any
 
+from geolimit.errors import ConfigError
 from geolimit.replication import wire
 from geolimit.replication.transport import Transport, TransportError
 
@@ -71,9 +72,9 @@ class PeerFaults:
         for name in _PROBABILITIES:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+                raise ConfigError(f"{name} must be a probability in [0, 1], got {value!r}")
         if self.max_hold is not None and not self.max_hold >= 0.0:
-            raise ValueError(f"max_hold must be >= 0 or None, got {self.max_hold!r}")
+            raise ConfigError(f"max_hold must be >= 0 or None, got {self.max_hold!r}")
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Literal
 
-from geolimit.errors import NetsimError
+from geolimit.errors import ConfigError, NetsimError, RequestError
 
 __all__ = ["DIRECTIONS", "Direction", "FaultyLink", "Latency", "LinkStats", "NetsimError"]
 
@@ -52,7 +52,7 @@ class Latency:
 
     def __post_init__(self) -> None:
         if not (self.latency >= 0.0 and self.jitter >= 0.0):
-            raise ValueError(f"latency and jitter must be >= 0, got {self.latency}, {self.jitter}")
+            raise ConfigError(f"latency and jitter must be >= 0, got {self.latency}, {self.jitter}")
 
 
 @dataclass(slots=True)
@@ -76,7 +76,7 @@ def _check_direction(direction: str) -> tuple[Direction, ...]:
         return ("up",)
     if direction == "down":
         return ("down",)
-    raise ValueError(f"direction must be 'up', 'down' or 'both', not {direction!r}")
+    raise RequestError(f"direction must be 'up', 'down' or 'both', not {direction!r}")
 
 
 class _Connection:
@@ -218,7 +218,7 @@ class FaultyLink:
 
     async def start(self) -> FaultyLink:
         if self._server is not None:
-            raise RuntimeError(f"{self.name} is already started")
+            raise NetsimError(f"{self.name} is already started")
         self._check()
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self._listen_port)
         self._port = int(self._server.sockets[0].getsockname()[1])
@@ -253,7 +253,7 @@ class FaultyLink:
     @property
     def port(self) -> int:
         if self._port is None:
-            raise RuntimeError(f"{self.name} has not been started")
+            raise NetsimError(f"{self.name} has not been started")
         return self._port
 
     @property

@@ -22,6 +22,8 @@ A complete file (every key; only ``[proxy] upstreams``, one of ``redis_url`` /
     decision_timeout = "1s"               # Redis / agent call timeout (then on_error applies)
     key_prefix = "gl"                     # library mode: as the region's agent (default gl)
     shards = 64                           # library mode: as the region's agent (default 64)
+    workers = 1                           # processes sharing the ports (SO_REUSEPORT); > 1 needs fixed
+                                          # ports; --workers overrides it (default 1)
 
     [[rule]]                              # library mode only (agent mode: the agent's rules)
     name = "api"
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 from urllib.parse import urlsplit
@@ -51,6 +53,7 @@ from geolimit.core.rule import Rule
 from geolimit.errors import ConfigError
 from geolimit.http.guard import LimitSpec, RoutePolicy
 from geolimit.http.keys import CostSpec, KeySpec, Route, trusted_networks
+from geolimit.server.config import MAX_WORKERS
 from geolimit.toml_config import (
     check_keys,
     get_table,
@@ -67,12 +70,12 @@ from geolimit.toml_config import (
     resolve_path,
 )
 
-__all__ = ["ProxyConfig", "load_proxy_config", "parse_proxy_config"]
+__all__ = ["MAX_WORKERS", "ProxyConfig", "load_proxy_config", "parse_proxy_config", "with_workers"]
 
 _PROXY_KEYS = {
     "listen", "admin_listen", "upstreams", "connect_timeout", "timeout", "retry_connect", "preserve_host",
     "trusted_proxies", "legacy_headers", "max_body", "shutdown_timeout", "region", "redis_url", "agent_url",
-    "agent_token_file", "decision_timeout", "key_prefix", "shards",
+    "agent_token_file", "decision_timeout", "key_prefix", "shards", "workers",
 }
 _ROUTE_KEYS = {"path", "methods", "limits"}
 _LIMIT_KEYS = {"rule", "key", "cost", "shadow", "on_error"}
@@ -101,6 +104,7 @@ class ProxyConfig:
     decision_timeout: float = 1.0
     key_prefix: str = "gl"
     shards: int = 64
+    workers: int = 1  # proxy processes sharing the listeners (geolimit/supervisor.py)
     log_format: str = "text"
     log_level: str = "INFO"
     path: Path | None = None
@@ -145,7 +149,24 @@ def parse_proxy_config(data: Mapping[str, Any], path: Path | None = None) -> Pro
     opts["routes"] = _routes(data.get("route", []), src, groups)
     opts["rules"] = rules
     opts.update(parse_log(get_table(data, "log", src), src))
-    return ProxyConfig(path=path, **opts)
+    config = ProxyConfig(path=path, **opts)
+    return with_workers(config, proxy["workers"], f"{src}: proxy.workers") if "workers" in proxy else config
+
+
+def with_workers(config: ProxyConfig, workers: object, where: str = "--workers") -> ProxyConfig:
+    """``config`` with ``workers`` processes, checked (``where`` names the setting in errors).
+
+    From 1 to :data:`MAX_WORKERS`; several workers share the listen addresses
+    (SO_REUSEPORT), so those need fixed ports.
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+        raise ConfigError(f"{where} must be an integer from 1 to {MAX_WORKERS}, got {workers!r}")
+    if workers > 1:
+        for key, address in (("proxy.listen", config.listen), ("proxy.admin_listen", config.admin_listen)):
+            if address is not None and address[1] == 0:
+                raise ConfigError(f"{where} = {workers} needs a fixed port in {key}: the workers share it "
+                                  f"(SO_REUSEPORT), and with port 0 each would get a port of its own")
+    return replace(config, workers=workers)
 
 
 def _proxy_options(proxy: Mapping[str, Any], src: str) -> dict[str, Any]:

@@ -133,7 +133,7 @@ class Forwarder:
                 for limit in policy.limits:
                     try:
                         limit.cost.cost(info)
-                    except ValueError as exc:
+                    except RequestError as exc:
                         return route, self._unread(request, problem(
                             400, "Bad Request", f"cannot read the cost of rule {limit.rule!r}: {exc}", request.path))
             try:

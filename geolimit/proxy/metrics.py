@@ -12,6 +12,11 @@
 
 Unmatched requests are labelled with route ``""``. The request path only bumps
 plain integers (a few per request); they become metric families at scrape time.
+
+With several workers (``geolimit proxy --workers N``) each worker shares its
+figures with the others (geolimit/worker_metrics.py): ``/metrics`` of any worker
+sums every worker's counters, histograms and requests in flight, and
+``target_info{worker,workers}`` names the worker that answered.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from geolimit.worker_metrics import SharedMetrics, shared_metrics_dir
+
 __all__ = ["CONTENT_TYPE", "ProxyMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -43,7 +50,9 @@ class _Histogram:
 
 
 class ProxyMetrics(Collector):
-    def __init__(self) -> None:
+    """The figures of one proxy process (worker ``worker`` of ``workers``)."""
+
+    def __init__(self, *, worker: int = 0, workers: int = 1) -> None:
         self.decisions: dict[tuple[str, str, str], int] = {}
         self.responses: dict[tuple[str, int], int] = {}
         self.latency: dict[str, _Histogram] = {}
@@ -52,6 +61,21 @@ class ProxyMetrics(Collector):
         self.in_flight = 0
         self.registry = CollectorRegistry()
         self.registry.register(self)
+        self.shared: SharedMetrics | None = None
+        if workers > 1:
+            self.registry.set_target_info({"worker": str(worker), "workers": str(workers)})
+            directory = shared_metrics_dir()
+            if directory is not None:  # set by the supervisor
+                self.shared = SharedMetrics(self.registry, directory)
+
+    def start(self) -> None:
+        """Begin sharing with the other workers (if any)."""
+        if self.shared is not None:
+            self.shared.start()
+
+    async def stop(self) -> None:
+        if self.shared is not None:
+            await self.shared.stop()
 
     # -- request path ------------------------------------------------------------------
 
@@ -107,4 +131,5 @@ class ProxyMetrics(Collector):
         yield GaugeMetricFamily("geolimit_proxy_in_flight", "Requests being handled", value=self.in_flight)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The Prometheus text: this process's, or with several workers all of theirs."""
+        return generate_latest(self.registry) if self.shared is None else self.shared.render()

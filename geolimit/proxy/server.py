@@ -10,6 +10,10 @@ optional admin listener (``admin_listen``) serves ``/metrics`` (Prometheus),
 ``/healthz`` (200 while the process runs) and ``/readyz`` (200 once started,
 503 while stopping). Readiness does not depend on Redis or the agent: the
 limits' ``on_error`` policies decide what happens without them.
+
+With ``config.workers`` > 1 this is worker ``worker_index`` of a supervisor
+(``geolimit proxy --workers N``): it binds its listeners with ``SO_REUSEPORT``
+and its ``/metrics`` describe every worker (geolimit/proxy/metrics.py).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ log = logging.getLogger("geolimit.proxy")
 
 #: Settings a reload cannot change (reported, not applied).
 _RESTART = ("listen", "admin_listen", "redis_url", "agent_url", "agent_token", "region", "key_prefix", "shards",
-            "decision_timeout", "log_format", "log_level")
+            "decision_timeout", "log_format", "log_level", "workers")
 #: Request headers aiohttp's client would add on its own: the proxy sends only the client's.
 _SKIP_AUTO = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
@@ -59,10 +63,12 @@ def _state(config: ProxyConfig, decider: ProxyDecider) -> State:
 class Proxy:
     """A rate-limiting reverse proxy (see the package docstring)."""
 
-    def __init__(self, config: ProxyConfig, *, reuse_port: bool = False) -> None:
+    def __init__(self, config: ProxyConfig, *, reuse_port: bool = False, worker_index: int = 0) -> None:
         self.config = config
-        self.reuse_port = reuse_port  # several worker processes share the listeners (SO_REUSEPORT)
-        self.metrics = ProxyMetrics()
+        # Several worker processes share the listeners (SO_REUSEPORT).
+        self.reuse_port = reuse_port or config.workers > 1
+        self.worker_index = worker_index
+        self.metrics = ProxyMetrics(worker=worker_index, workers=config.workers)
         self.decider: ProxyDecider | None = None
         self.forwarder: Forwarder | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -119,9 +125,11 @@ class Proxy:
             await self._close()
             raise GeolimitError(f"proxy: cannot listen: {exc}") from exc
         self._ready = True
+        self.metrics.start()
         mode = f"Redis {cfg.redis_url} as region {cfg.region}" if cfg.redis_url else f"agent {cfg.agent_url}"
-        log.info("proxy listening on %s (admin: %s; upstreams: %s; decisions: %s; %d routes)", self.url,
-                 self.admin_url or "none", ", ".join(cfg.upstreams), mode, len(cfg.routes))
+        log.info("proxy listening on %s (admin: %s; upstreams: %s; decisions: %s; %d routes)%s", self.url,
+                 self.admin_url or "none", ", ".join(cfg.upstreams), mode, len(cfg.routes),
+                 f" as worker {self.worker_index} of {cfg.workers}" if cfg.workers > 1 else "")
 
     async def stop(self) -> None:
         """Stop accepting; in-flight requests get ``shutdown_timeout`` seconds to finish."""
@@ -130,6 +138,7 @@ class Proxy:
 
     async def _close(self) -> None:
         self._ready = False
+        await self.metrics.stop()
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from typing import NamedTuple
 
-from geolimit.errors import AuthenticationError
+from geolimit.errors import AuthenticationError, ConfigError
 from geolimit.replication.replay import MemoryReplayGuard, ReplayGuard
 
 __all__ = [
@@ -59,7 +59,7 @@ _SEQ_RE = re.compile(r"[0-9]{1,20}")
 
 def _region_name(region: str, what: str) -> str:
     if not isinstance(region, str) or not region or "\n" in region:
-        raise ValueError(f"{what} must be a non-empty region name without newlines, got {region!r}")
+        raise ConfigError(f"{what} must be a non-empty region name without newlines, got {region!r}")
     return region
 
 
@@ -80,7 +80,7 @@ class Signer:
 
     def __init__(self, secret: bytes, region: str, clock: Callable[[], float] = time.time) -> None:
         if len(secret) < MIN_SECRET_BYTES:
-            raise ValueError(f"the gossip secret must be at least {MIN_SECRET_BYTES} bytes")
+            raise ConfigError(f"the gossip secret must be at least {MIN_SECRET_BYTES} bytes")
         self._secret = secret
         self.region = _region_name(region, "region")
         self._clock = clock
@@ -133,9 +133,9 @@ class Verifier:
         guard: ReplayGuard | None = None,
     ) -> None:
         if len(secret) < MIN_SECRET_BYTES:
-            raise ValueError(f"the gossip secret must be at least {MIN_SECRET_BYTES} bytes")
+            raise ConfigError(f"the gossip secret must be at least {MIN_SECRET_BYTES} bytes")
         if not window > 0:
-            raise ValueError(f"the auth window must be positive, got {window!r}")
+            raise ConfigError(f"the auth window must be positive, got {window!r}")
         self._secret = secret
         self._peers = frozenset(peers)
         self.own_region = _region_name(own_region, "own_region")

@@ -310,12 +310,10 @@ class ReplicationStore:
     ) -> dict[tuple[str, bytes], list[tuple[int, str, int, int]]]:
         """Every non-empty live cell by key, optionally only in some partitions."""
         client = self.store.client()
-        pattern = self.layout.prefix.encode() + b":{*"
         keys: list[bytes] = []
         try:
-            async for key in client.scan_iter(match=pattern, count=1000):
-                if b"}:" in key:
-                    keys.append(key)
+            async for key in client.scan_iter(match=self.layout.data_pattern(), count=1000):
+                keys.append(key)
         except RedisError as exc:
             raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
         wanted: list[tuple[int, str, bytes, bytes]] = []

@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 from typing import Protocol
 
+from geolimit.errors import ConfigError
 from geolimit.store.async_store import AsyncStore
 from geolimit.store.scripts import load_script
 
@@ -42,9 +43,9 @@ class ReplayGuard(Protocol):
 
 def _check_window(window: float, max_entries: int) -> None:
     if not window > 0:
-        raise ValueError(f"the replay window must be positive, got {window!r}")
+        raise ConfigError(f"the replay window must be positive, got {window!r}")
     if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-        raise ValueError(f"max_entries must be a positive integer, got {max_entries!r}")
+        raise ConfigError(f"max_entries must be a positive integer, got {max_entries!r}")
 
 
 class MemoryReplayGuard:
@@ -101,9 +102,9 @@ class RedisReplayGuard:
     ) -> None:
         _check_window(window, max_entries)
         if not key_prefix or any(c in key_prefix for c in "{}"):
-            raise ValueError(f"invalid key prefix {key_prefix!r}: must be non-empty, without '{{' or '}}'")
+            raise ConfigError(f"invalid key prefix {key_prefix!r}: must be non-empty, without '{{' or '}}'")
         if not region or any(c in region for c in "{}"):
-            raise ValueError(f"invalid region name {region!r}")
+            raise ConfigError(f"invalid region name {region!r}")
         self.store = store
         self.key_prefix = key_prefix
         self.region = region

@@ -6,7 +6,7 @@ A message body is a msgpack map::
      "reach": {PEER: SECONDS_SINCE_LAST_ACK, ...},
      "failing": [PEER, ...],                      # peers the sender cannot reach right now
      "shards": SHARDS,                            # the sender's shard count (must match)
-     "rules": [[NAME, WINDOW_US, RESOLUTION_US], ...],
+     "rules": [[NAME, WINDOW_US, RESOLUTION_US], ...],   # escrow rules: [..., 1]
      "blobs": [[SHARD, BLOB], ...],               # cells, packed by Redis (see below)
      "ae": {...}}                                 # one anti-entropy step (antientropy.py)
 
@@ -48,7 +48,7 @@ class Message:
     now_us: int = 0
     reach: dict[str, float] = field(default_factory=dict)
     failing: list[str] = field(default_factory=list)  # peers the sender currently cannot deliver to
-    rules: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (window_us, res_us)
+    rules: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # name -> Rule.structure
     shards: int = 0
     blobs: list[Blob] = field(default_factory=list)
     ae: dict[str, Any] = field(default_factory=dict)
@@ -64,7 +64,7 @@ def encode(message: Message) -> bytes:
         "reach": message.reach,
         "failing": message.failing,
         "shards": message.shards,
-        "rules": [[name, w, r] for name, (w, r) in message.rules.items()],
+        "rules": [[name, w, r, 1] if e else [name, w, r] for name, (w, r, e) in message.rules.items()],
     }
     if message.blobs:
         body["blobs"] = [[shard, blob] for shard, blob in message.blobs]
@@ -149,16 +149,18 @@ def _failing(value: object) -> list[str]:
     return [_str(p, "failing peer", 64) for p in failing]
 
 
-def _rules(value: object) -> dict[str, tuple[int, int]]:
+def _rules(value: object) -> dict[str, tuple[int, int, int]]:
     entries = _list(value, "rules")
     if len(entries) > 1024:
         raise _fail("more than 1024 rules")
-    rules: dict[str, tuple[int, int]] = {}
+    rules: dict[str, tuple[int, int, int]] = {}
     for item in entries:
         entry = _list(item, "rule entry")
-        if len(entry) != 3:
-            raise _fail("a rule entry is [name, window_us, resolution_us]")
-        rules[_str(entry[0], "rule name", 64)] = (_uint(entry[1], "rule window"), _uint(entry[2], "rule resolution"))
+        if len(entry) not in (3, 4) or (len(entry) == 4 and entry[3] != 1):
+            raise _fail("a rule entry is [name, window_us, resolution_us] (and 1 for an escrow rule)")
+        rules[_str(entry[0], "rule name", 64)] = (
+            _uint(entry[1], "rule window"), _uint(entry[2], "rule resolution"), 1 if len(entry) == 4 else 0,
+        )
     return rules
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable
@@ -29,6 +28,9 @@ from geolimit.core.clock import Clock, micros_source
 from geolimit.errors import GeolimitError, StorageError
 from geolimit.http.listener import listen
 from geolimit.replication.auth import Signer, Verifier
+from geolimit.replication.escrow import EscrowReplicator
+from geolimit.replication.escrow_http import EscrowHttpTransport, add_escrow_routes
+from geolimit.replication.escrow_io import EscrowStore
 from geolimit.replication.gossip import EngineSettings, GossipEngine
 from geolimit.replication.redis_io import ReplicationStore
 from geolimit.replication.replay import RedisReplayGuard
@@ -37,6 +39,7 @@ from geolimit.server.api import add_api_routes, add_health_routes
 from geolimit.server.config import AgentConfig
 from geolimit.server.gossip_http import add_gossip_routes
 from geolimit.server.metrics import AgentMetrics
+from geolimit.server.status import agent_status
 from geolimit.server.workers import WorkerSigner, owned_shards
 
 if TYPE_CHECKING:
@@ -72,9 +75,9 @@ class Agent:
         self._transport = transport
         self.limiter: AsyncLimiter | None = None
         self.engine: GossipEngine | None = None
-        self.metrics = AgentMetrics(lambda: self.engine, self._clock)
-        if config.workers > 1:  # a scrape sees the worker that answered: say which
-            self.metrics.registry.set_target_info({"worker": str(worker_index), "workers": str(config.workers)})
+        self.escrow: EscrowReplicator | None = None  # escrow rules' rebalancing and replication
+        # Several workers: each /metrics scrape describes them all (geolimit/worker_metrics.py).
+        self.metrics = AgentMetrics(lambda: self.engine, self._clock, worker=worker_index, workers=config.workers)
         self._runners: list[web.AppRunner] = []
         self._addresses: list[tuple[str, int]] = []
         self._loop_task: asyncio.Task[None] | None = None
@@ -122,8 +125,10 @@ class Agent:
             anti_entropy=self.worker_index == 0,  # one initiator per region; every worker serves exchanges
         )
         self.engine = GossipEngine(cfg.region, [p.name for p in cfg.peers], store, self._transport, settings, self._clock)
+        self.escrow = self._escrow_replicator(cfg)
         gossip_app = web.Application(client_max_size=cfg.max_message_bytes + 1)
         add_gossip_routes(gossip_app, self)
+        add_escrow_routes(gossip_app, self)
         add_health_routes(gossip_app, self)
         apps = [(gossip_app, cfg.listen, cfg.tls.server_context() if cfg.tls else None)]
         if cfg.api_listen is None:
@@ -153,6 +158,24 @@ class Agent:
                  ", ".join(p.name for p in cfg.peers) or "none",
                  f" as worker {self.worker_index} of {cfg.workers}" if cfg.workers > 1 else "")
 
+    def _escrow_replicator(self, cfg: AgentConfig) -> EscrowReplicator:
+        limiter = self.require_limiter()
+        transport = EscrowHttpTransport(
+            {p.name: p.url for p in cfg.peers}, self.signer, self.verifier, cfg.timeout,
+            cfg.tls.client_context() if cfg.tls else None, max_response_bytes=4 * cfg.max_message_bytes,
+        )
+        return EscrowReplicator(
+            cfg.region, [p.name for p in cfg.peers], EscrowStore(limiter.store, limiter.layout, cfg.region,
+                                                                 secrets.token_hex(3).encode()),
+            limiter.rules, transport, owned=self.owned, interval=cfg.interval, timeout=cfg.timeout,
+            pull_interval=cfg.anti_entropy_interval, now_us=micros_source(self._decision_clock) or (lambda: None),
+            clock=self._clock,
+        )
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.config.max_message_bytes
+
     async def _start_rls(self, address: tuple[str, int]) -> None:
         from geolimit.server.rls.server import RlsServer  # grpcio and xds-protos: the rls extra
 
@@ -168,6 +191,7 @@ class Agent:
         self._started = True
         self._loop_task = asyncio.ensure_future(self._run_loop())
         self._loop_task.add_done_callback(self._loop_done)
+        self.metrics.start()
 
     async def stop(self, flush_timeout: float = 2.0) -> bool:
         """Graceful stop; returns True if every outbox was delivered before the deadline."""
@@ -210,6 +234,7 @@ class Agent:
             await cancel_and_wait(task)
 
     async def _close(self) -> None:
+        await self.metrics.stop()
         if self.rls is not None:
             await self.rls.stop(None)
         for runner in self._runners:
@@ -218,6 +243,8 @@ class Agent:
         if self.engine is not None:
             await self.engine.cancel()
             await self.engine.close()
+        if self.escrow is not None:
+            await self.escrow.close()
         if self._transport is not None:
             await self._transport.close()
         if self.limiter is not None:
@@ -231,12 +258,18 @@ class Agent:
         assert self.engine is not None, "listen() first"
         await self._round()
         await self.engine.settle()
+        if self.escrow is not None:
+            await self.escrow.settle()
 
     async def _round(self) -> None:
         assert self.engine is not None
         started = time.perf_counter()
         try:
             await self.engine.round()
+            if self.escrow is not None:
+                await self.escrow.round()
+                if self.escrow.rules and self.limiter is not None:  # the agent's own limiter (/v1/check)
+                    self.limiter.use_escrow_regions(self.escrow.regions, self.escrow.wait_us())
         except StorageError as exc:
             if self._redis_ok or self._last_redis_error is None:
                 log.warning("agent %s: Redis unavailable: %s", self.config.region, exc)
@@ -289,6 +322,8 @@ class Agent:
         old = self.config
         limiter.set_rules(config.rules)
         self.engine.set_rules(limiter.rules)
+        if self.escrow is not None:
+            self.escrow.set_rules(limiter.rules)
         restart = [
             name for name, a, b in (
                 ("listen", old.listen, config.listen), ("api_listen", old.api_listen, config.api_listen),
@@ -339,6 +374,8 @@ class Agent:
         """Point gossip for ``name`` at ``url`` (for agents started on port 0)."""
         if isinstance(self._transport, HttpTransport):
             self._transport.set_url(name, url)
+        if self.escrow is not None and isinstance(self.escrow.transport, EscrowHttpTransport):
+            self.escrow.transport.set_url(name, url)
 
     def failure(self) -> str | None:
         """A fatal failure (the gossip loop itself died), or None."""
@@ -362,46 +399,5 @@ class Agent:
         return not waiting, waiting
 
     def status(self) -> dict[str, Any]:
-        now = self._clock()
-        engine = self.engine
-        peers: dict[str, Any] = {}
-        incarnations: dict[str, int] = {}
-        if engine is not None:
-            for slot in engine.own_slots.values():
-                inc = slot.rpartition("/")[2]
-                incarnations[inc] = incarnations.get(inc, 0) + 1
-            for peer in engine.peers.values():
-                oldest = peer.oldest_us
-                peers[peer.name] = {
-                    "last_contact": peer.last_ok,
-                    "last_contact_age": None if peer.last_ok is None else round(now - peer.last_ok, 3),
-                    "lag": 0.0 if oldest is None else round(max(0.0, now - oldest / 1e6), 3),
-                    "outbox": peer.queued,
-                    "in_flight": len(peer.flying),
-                    "errors": peer.errors,
-                    "consecutive_failures": peer.failures,
-                    "last_error": peer.last_error,
-                    "last_error_age": None if peer.last_error_at is None else round(now - peer.last_error_at, 3),
-                    "cells_sent": peer.cells_sent,
-                    "cells_received": peer.cells_received,
-                    "anti_entropy_ok": peer.ae_ok,
-                    "anti_entropy": engine.repair.status(peer.name),
-                    "refused_cells": peer.refused,
-                    "rtt": round(peer.rtt, 4),
-                    "clock_offset": round(peer.skew, 3),
-                }
-        ready, waiting = self.readiness()
-        newest = max(incarnations, default=None)
-        return {
-            "region": self.config.region,
-            "incarnation": newest,
-            "incarnations": incarnations,
-            "ready": ready,
-            "waiting_for": waiting,
-            "peers": peers,
-            "failures": self.background_failures(),
-            # Several workers: the outbox figures above are those of this worker's shards.
-            "worker": {"index": self.worker_index, "workers": self.config.workers, "shards": len(self.owned),
-                       "pid": os.getpid()},
-            "rules": {r.name: r.describe() for r in self.config.rules},
-        }
+        """What ``/v1/status`` answers (geolimit/server/status.py)."""
+        return agent_status(self, self._clock())

@@ -1,4 +1,13 @@
-"""Prometheus metrics of an agent (one registry per agent, so several can share a process)."""
+"""Prometheus metrics of an agent (one registry per agent, so several can share a process).
+
+With several workers (``geolimit agent --workers N``) every worker shares its
+registry with the others (geolimit/worker_metrics.py), and ``/metrics`` of any
+worker describes the whole region: counters and histograms are summed over the
+workers, ``geolimit_outbox_cells`` too (each worker queues its own shards'
+keys), while lags, contact ages and round trips are the largest of the
+workers' (the worst link). ``target_info{worker,workers}`` names the worker
+that answered.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +19,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from geolimit.replication.gossip import GossipEngine
+from geolimit.worker_metrics import GaugeMode, SharedMetrics, shared_metrics_dir
 
 __all__ = ["CONTENT_TYPE", "AgentMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: How the workers' gauges combine into the region's (the others sum).
+WORKER_GAUGES: dict[str, GaugeMode] = {
+    "geolimit_peer_contact_age_seconds": "max", "geolimit_peer_lag_seconds": "max", "geolimit_peer_rtt_seconds": "max",
+}
+#: Gauges that are seconds since an event: a worker's snapshot is aged by its own age.
+AGE_GAUGES = ("geolimit_peer_contact_age_seconds", "geolimit_peer_lag_seconds")
 
 
 class _EngineCollector(Collector):
@@ -63,9 +79,10 @@ class _EngineCollector(Collector):
 
 
 class AgentMetrics:
-    """Metrics owned by one agent."""
+    """Metrics owned by one agent (worker ``worker`` of ``workers``)."""
 
-    def __init__(self, engine: Callable[[], GossipEngine | None], clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, engine: Callable[[], GossipEngine | None], clock: Callable[[], float] = time.time, *,
+                 worker: int = 0, workers: int = 1) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.decisions = Counter("geolimit_decisions", "Decisions by rule and result", ["rule", "result"], registry=self.registry)
         self.decision_seconds = Histogram(
@@ -78,6 +95,40 @@ class AgentMetrics:
         )
         self.rejected = Counter("geolimit_gossip_rejected", "Gossip requests refused, by reason", ["reason"], registry=self.registry)
         self.registry.register(_EngineCollector(engine, clock))
+        self.shared: SharedMetrics | None = None
+        if workers > 1:
+            self.registry.set_target_info({"worker": str(worker), "workers": str(workers)})
+            directory = shared_metrics_dir()
+            if directory is not None:  # set by the supervisor
+                self.shared = SharedMetrics(self.registry, directory, gauges=WORKER_GAUGES, ages=AGE_GAUGES,
+                                            clock=clock)
+
+    def start(self) -> None:
+        """Begin sharing with the other workers (if any)."""
+        if self.shared is not None:
+            self.shared.start()
+
+    async def stop(self) -> None:
+        if self.shared is not None:
+            await self.shared.stop()
+
+    def region_peers(self) -> dict[str, dict[str, float | None]] | None:
+        """With several workers, per peer the region's outbox (sum), lag and last contact age (the
+        largest: the worst worker's), from every worker's shared figures; else None."""
+        if self.shared is None:
+            return None
+        fields = {"geolimit_outbox_cells": "outbox", "geolimit_peer_lag_seconds": "lag",
+                  "geolimit_peer_contact_age_seconds": "last_contact_age"}
+        peers: dict[str, dict[str, float | None]] = {}
+        for family in self.shared.merged():
+            if family.name in fields:
+                for sample in family.samples:
+                    field = fields[family.name]
+                    value = None if sample.value < 0 else round(sample.value, 3)  # -1: never
+                    peers.setdefault(sample.labels.get("peer", ""), {})[field] = \
+                        int(sample.value) if field == "outbox" else value
+        return peers
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The Prometheus text: this agent's, or with several workers the region's."""
+        return generate_latest(self.registry) if self.shared is None else self.shared.render()

@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import os
 import ssl
 import sys
+import time
 
+from geolimit.core.clock import Clock
 from geolimit.errors import ConfigError, GeolimitError
 from geolimit.process import configure_logging, process_signals
 from geolimit.server.agent import Agent
@@ -20,6 +24,24 @@ log = logging.getLogger("geolimit.agent")
 
 #: Seconds a graceful stop may take beyond the flush deadline before the agent aborts.
 STOP_GRACE = 10.0
+#: Test-only: seconds added to this agent's clock (its decisions, gossip and auth), to measure
+#: clock skew between agents on one host (bench/agents.py). Unset, decisions use Redis TIME.
+CLOCK_OFFSET_ENV = "GEOLIMIT_TEST_CLOCK_OFFSET"
+
+
+def _test_clock() -> Clock | None:
+    """The host clock shifted by ``$GEOLIMIT_TEST_CLOCK_OFFSET`` seconds, or None when it is unset."""
+    raw = os.environ.get(CLOCK_OFFSET_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        offset = float(raw)
+    except ValueError:
+        offset = math.nan
+    if not math.isfinite(offset):
+        raise ConfigError(f"{CLOCK_OFFSET_ENV} must be a number of seconds, got {raw!r}")
+    log.warning("agent clock is %+.3f s off the host clock (%s: for tests only)", offset, CLOCK_OFFSET_ENV)
+    return lambda: time.time() + offset
 
 
 async def _reload(agent: Agent, path: str) -> None:
@@ -35,8 +57,8 @@ async def _reload(agent: Agent, path: str) -> None:
 
 
 async def _serve(config: AgentConfig, flush_timeout: float, path: str | None = None,
-                 worker_index: int | None = None) -> int:
-    agent = Agent(config, worker_index=worker_index or 0)
+                 worker_index: int | None = None, clock: Clock | None = None) -> int:
+    agent = Agent(config, clock=clock, worker_index=worker_index or 0)
     with process_signals(None if path is None else lambda: _reload(agent, path)) as stop:
         # A worker whose supervisor is gone stops as on SIGTERM (it would hold the shared port).
         orphan = asyncio.ensure_future(watch_parent(stop)) if worker_index is not None else None
@@ -134,4 +156,4 @@ def run_agent(config_path: str, flush_timeout: float = 2.0, workers: int | None 
     configure_logging(config.log_format, config.log_level, worker_index if config.workers > 1 else None)
     if worker_index is None and config.workers > 1:
         return asyncio.run(_serve_workers(config, flush_timeout, config_path, workers is not None))
-    return asyncio.run(_serve(config, flush_timeout, config_path, worker_index))
+    return asyncio.run(_serve(config, flush_timeout, config_path, worker_index, _test_clock()))

@@ -29,7 +29,7 @@ from geolimit.core.clock import ManualClock
 from geolimit.core.decision import Decision
 from geolimit.core.keys import glob_escape
 from geolimit.core.rule import Rule
-from geolimit.errors import StorageError
+from geolimit.errors import ConfigError, StorageError
 from geolimit.replication.gossip import EngineSettings, GossipEngine
 from geolimit.replication.redis_io import ReplicationStore
 from geolimit.sim.network import SimNetwork
@@ -72,7 +72,7 @@ class SimCluster(VirtualTime):
     ) -> None:
         self.clustered = urlsplit(redis_url).scheme.endswith("+cluster")
         if len(regions) > 16 and not self.clustered:
-            raise ValueError("at most 16 simulated regions (one Redis database each)")
+            raise ConfigError("at most 16 simulated regions (one Redis database each)")
         self.redis_url = redis_url
         self.shards = shards
         self.names = list(regions)

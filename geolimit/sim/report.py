@@ -31,7 +31,8 @@ def _verdict(outcome: Outcome, met: bool) -> str:
 
 
 def targets(outcomes: Sequence[Outcome]) -> list[tuple[str, str, str, str]]:
-    """(target, measured, goal, verdict) for the figures the issues ask for. The verdict is
+    """(target, measured, goal, verdict) for each accuracy target whose scenario ran (over-admission,
+    under-use, wrong denials, convergence after a heal, handoff, escrow). The verdict is
     PASS, MISS, or INSUFFICIENT when the run was too short to say."""
     by = {(o.scenario.name, o.variant): o for o in outcomes}
     rows: list[tuple[str, str, str, str]] = []

@@ -11,13 +11,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from geolimit.core.decision import Decision, combine, rule_decision
+from geolimit.core.escrow import share as escrow_share
 from geolimit.core.keys import KeyLayout
 from geolimit.core.rule import Rule
 from geolimit.core.window import MAX_COUNT
 from geolimit.errors import RequestError, StorageError
 
 __all__ = [
+    "ESCROW_DENIALS",
     "MAX_COST",
+    "EscrowPlacement",
     "HitRequest",
     "RequestBuilder",
     "RulePlan",
@@ -41,7 +44,7 @@ class HitRequest:
     rules: tuple[Rule, ...]
     shard: int
     keys: tuple[bytes, ...]  # registry, changed, peers, then one data key per rule
-    args: tuple[bytes, ...]  # consume, cost, nrules, then 9 per rule
+    args: tuple[bytes, ...]  # consume, cost, nrules, then 10 per rule
     resp_keys: bytes  # ``keys`` RESP-encoded, for the pre-packed path
     resp_args: bytes  # ``args`` RESP-encoded
 
@@ -68,7 +71,15 @@ class RulePlan:
     resp: bytes
 
     @classmethod
-    def of(cls, rule: Rule) -> RulePlan:
+    def of(cls, rule: Rule, escrow: EscrowPlacement | None = None) -> RulePlan:
+        """``escrow``: where this region stands among the regions, for an escrow rule
+        (None while unknown: ``hit.lua`` then denies the rule)."""
+        if not rule.escrow:
+            spec = b""
+        elif escrow is None:
+            spec = b"-1 %d 0" % rule.escrow_steps
+        else:
+            spec = b"%d %d %d" % (escrow.share(rule.limit), rule.escrow_steps, escrow.wait_us)
         args = (
             b"%d" % rule.limit,
             b"%d" % rule.resolution_us,
@@ -79,8 +90,30 @@ class RulePlan:
             b"1" if rule.predict else b"0",
             b"%d" % ("local", "share", "closed").index(rule.partition),
             b"%d" % rule.partition_after_us,
+            spec,
         )
         return cls(rule, rule.name.encode(), args, b"".join(map(_bulk, args)))
+
+
+@dataclass(frozen=True, slots=True)
+class EscrowPlacement:
+    """This region's place among the regions of escrow mode (published by the agent)."""
+
+    regions: tuple[str, ...]  # every region, sorted
+    region: str
+    wait_us: int  # about how soon rights given by a peer arrive (two rounds and two trips)
+
+    def share(self, limit: int) -> int:
+        """This region's part of ``limit`` before transfers (geolimit.core.escrow.share)."""
+        return escrow_share(limit, self.regions, self.region)
+
+
+#: Reasons of the negative per-rule codes of hit.lua (an escrow rule denied before it was counted).
+ESCROW_DENIALS = {
+    -1: "escrow: this region does not know the regions yet (its agent publishes them); denied until it does",
+    -2: "escrow: this Redis lost or never had its escrow state; denied until the agent has restored it "
+        "from every peer and one window has passed",
+}
 
 
 _FLAGS = {True: (b"1", b"$1\r\n1\r\n"), False: (b"0", b"$1\r\n0\r\n")}
@@ -187,7 +220,7 @@ def decode_hit(reply: object, requests: Sequence[HitRequest]) -> list[Decision]:
     """Turn ``hit.lua``'s flat integer reply into one :class:`Decision` per request."""
     if not isinstance(reply, list):
         raise StorageError(f"unexpected reply from hit script: {reply!r}")
-    if len(requests) == 1 and len(requests[0].rules) == 1 and len(reply) == 5:
+    if len(requests) == 1 and len(requests[0].rules) == 1 and len(reply) == 5 and reply[1] >= 0:
         r = rule_decision(requests[0].rules[0], reply[1], reply[2], reply[3], reply[4])
         return [Decision(r.allowed, r.limit, r.remaining, r.retry_after, r.reset_after, r.rule, (r,))]
     out: list[Decision] = []
@@ -196,10 +229,16 @@ def decode_hit(reply: object, requests: Sequence[HitRequest]) -> list[Decision]:
         for request in requests:
             i += 1  # request-level allowed flag; combine() recomputes it
             results = []
+            reason = None
             for rule in request.rules:
+                if reply[i] < 0:
+                    reason = ESCROW_DENIALS.get(reply[i], "escrow: denied")
                 results.append(rule_decision(rule, reply[i], reply[i + 1], reply[i + 2], reply[i + 3]))
                 i += 4
-            out.append(combine(results))
+            decision = combine(results)
+            if reason is not None:
+                decision.error = reason
+            out.append(decision)
     except (IndexError, TypeError) as exc:
         raise StorageError(f"malformed reply from hit script: {reply!r}") from exc
     return out

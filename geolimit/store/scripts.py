@@ -1,6 +1,7 @@
 """Lua scripts shipped as package data, as ``EVALSHA`` scripts and as one function library.
 
-Each script is ``common.lua`` (the shared prelude) followed by the script's own
+Each script is ``common.lua`` (the shared prelude), then ``escrow.lua`` (escrow
+mode's functions) or, for the replication scripts, ``outbox.lua``, then the script's own
 file, loaded once with :mod:`importlib.resources`. Clients run them by SHA
 (``EVALSHA``) and load them once per connection target on ``NOSCRIPT``.
 
@@ -45,10 +46,11 @@ class FunctionLibrary:
     source: bytes  # FUNCTION LOAD's argument
 
 
-#: Scripts that also need the replication prelude (``outbox.lua``: outbox entries).
+#: Scripts that need the replication prelude (``outbox.lua``: outbox entries) instead of ``escrow.lua``.
 _OUTBOX_SCRIPTS = frozenset({"drain", "pack", "settle", "merge"})
 #: The scripts of the function library, in order: common.lua's first, then outbox.lua's.
-LIBRARY_SCRIPTS = ("hit", "reset", "replay", "prune", "drain", "pack", "settle", "merge")
+LIBRARY_SCRIPTS = ("hit", "reset", "replay", "prune", "escrow_drain", "escrow_give", "escrow_merge", "drain", "pack", "settle",
+                   "merge")
 #: Top-level locals of the preludes that hold state of one call, and their initial value.
 _PRELUDE_STATE = {"now_ms_cache": "nil"}
 #: Top-level locals of the preludes that are set once and never change.
@@ -62,7 +64,7 @@ def _read(name: str) -> bytes:
 @cache
 def load_script(name: str) -> LuaScript:
     """The script ``geolimit/store/lua/<name>.lua`` with its prelude(s)."""
-    preludes = ("common", "outbox") if name in _OUTBOX_SCRIPTS else ("common",)
+    preludes = ("common", "outbox") if name in _OUTBOX_SCRIPTS else ("common", "escrow")
     source = b"\n".join([*(_read(p) for p in preludes), _read(name)])
     function = _function_name(name) if name in LIBRARY_SCRIPTS else None
     return LuaScript(name, source, hashlib.sha1(source).hexdigest().encode(), function)
@@ -90,9 +92,9 @@ def _body(name: str) -> str:
 
 @cache
 def _library_template() -> str:
-    common, outbox = _read("common"), _read("outbox")
-    _check_prelude_locals(common)
-    _check_prelude_locals(outbox)
+    common, escrow, outbox = _read("common"), _read("escrow"), _read("outbox")
+    for prelude in (common, escrow, outbox):
+        _check_prelude_locals(prelude)
     plain = "".join(_body(n) for n in LIBRARY_SCRIPTS if n not in _OUTBOX_SCRIPTS)
     with_outbox = "".join(_body(n) for n in LIBRARY_SCRIPTS if n in _OUTBOX_SCRIPTS)
     register = "".join(
@@ -107,7 +109,7 @@ def _library_template() -> str:
         "local KEYS, ARGV, fns\n"
         "local function build()\n"
         "local scripts = {}\n"
-        f"{common.decode()}\n{plain}"
+        f"{common.decode()}\n{escrow.decode()}\n{plain}"
         f"do\n{outbox.decode()}\n{with_outbox}end\n"
         "return scripts\n"
         "end\n"

@@ -32,7 +32,7 @@ def region(rule: Rule, peer_hits: list[tuple[int, int]], known_age_us: int, now:
 
 
 def test_a_fresh_peer_burst_denies_for_at_most_the_prediction_not_the_window() -> None:
-    """The issue's case: east took 6 of 10/60s; 0.4 s later north was told to wait 60.49 s."""
+    """East took 6 of 10/60s 0.4 s ago: north waits at most the prediction (partition_after), not the 60 s window."""
     rule = Rule("otp", 10, 60, 1)
     now = T0 + 100_000
     model = region(rule, [(6, 0)], known_age_us=400_000, now=now)

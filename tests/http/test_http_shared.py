@@ -6,7 +6,7 @@ import pytest
 
 from geolimit import Rule
 from geolimit.async_limiter import AsyncLimiter
-from geolimit.errors import ConfigError
+from geolimit.errors import ConfigError, RequestError
 from geolimit.http.guard import Guard, LimitSpec, RoutePolicy
 from geolimit.http.keys import (
     CostSpec,
@@ -47,8 +47,11 @@ def test_keys_costs_and_routes() -> None:
     assert KeySpec("header:X-Missing").subject(request, {}, "/", ()) == "x-missing=-"
     assert CostSpec("header:X-Cost").cost(request) == 7
     assert CostSpec("body").cost(request) == 123
-    with pytest.raises(ValueError, match="Content-Length"):
+    with pytest.raises(RequestError, match="Content-Length"):
         CostSpec("body").cost(RequestInfo("POST", "/", {}, None))
+    for garbage in ("seven", "-2"):
+        with pytest.raises(RequestError, match="X-Cost"):
+            CostSpec("header:X-Cost").cost(RequestInfo("GET", "/", {"x-cost": garbage}, None))
     for bad in ("", "ip+", "header:", "cookie:x"):
         with pytest.raises(ConfigError, match="invalid key"):
             KeySpec(bad)

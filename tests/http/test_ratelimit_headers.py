@@ -199,7 +199,7 @@ def test_no_more_than_r_is_admitted_within_t(limiter_for: Any, rule: Rule, cost:
 
 
 def test_a_request_before_t_after_r0_is_denied(limiter_for: Any) -> None:
-    """The issue's case: 6 s after ``r=0;t=10`` a request was admitted. Now t ends no later than that."""
+    """After ``r=0;t=T`` a request just before T s is denied and one at T s is admitted (T < reset_after)."""
     clock = ManualClock(1_700_000_000.0)
     limiter = limiter_for(Rule("api", 5, 10, 1), clock)
     for _ in range(4):
@@ -212,7 +212,7 @@ def test_a_request_before_t_after_r0_is_denied(limiter_for: Any) -> None:
     r, t, retry_after = advertised(denied, 1)
     # Strict windows count 11 one-second buckets: the first four leave 11 - 4 = 7 s from now.
     assert (r, t, retry_after) == (0, 7, 7)
-    assert denied.reset_after == 11.0, "the window is empty only 11 s from now: that was the old t"
+    assert denied.reset_after == 11.0, "the window is empty only 11 s from now: reset_after, longer than t"
     clock.advance(t - 0.001)
     assert not limiter.hit("api", "client").allowed
     clock.advance(0.001)

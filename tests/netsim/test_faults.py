@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
+from geolimit.errors import ConfigError
 from geolimit.netsim import FaultCounters, FaultyTransport, PeerFaults
 from geolimit.replication import wire
 from geolimit.replication.transport import Transport, TransportError
@@ -98,7 +99,8 @@ async def test_dropped_request_is_never_delivered() -> None:
     with pytest.raises(TransportError, match="request dropped"):
         await ft.send("us", msg(1))
     assert inner.deliveries == []
-    assert await ft.send("ap", msg(2)) is not None  # other peers are unaffected
+    assert (await ft.send("ap", msg(2))).kind == "ack"  # other peers are unaffected
+    assert inner.order("ap") == [2]
     assert ft.counters("us") == FaultCounters(sends=1, dropped_requests=1)
 
 
@@ -231,9 +233,9 @@ async def test_inner_errors_propagate_and_are_counted() -> None:
 
 
 async def test_settings_are_validated_and_updated_per_peer() -> None:
-    with pytest.raises(ValueError, match="drop_request"):
+    with pytest.raises(ConfigError, match="drop_request"):
         PeerFaults(drop_request=1.5)
-    with pytest.raises(ValueError, match="max_hold"):
+    with pytest.raises(ConfigError, match="max_hold"):
         PeerFaults(max_hold=-1.0)
     ft = FaultyTransport(RecordingTransport(), random.Random(0), default=PeerFaults(duplicate=0.5))
     updated = ft.configure("us", drop_request=0.25, max_hold=None)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
+from geolimit.errors import ConfigError, RequestError
 from geolimit.netsim import FaultyLink, Latency, NetsimError
 from tests.netsim.conftest import HttpEcho, TcpServer
 
@@ -253,7 +254,7 @@ async def test_stop_closes_everything(tcp_echo: TcpServer) -> None:
     loop_errors: list[dict[str, object]] = []
     asyncio.get_running_loop().set_exception_handler(lambda _loop, context: loop_errors.append(context))
     link = FaultyLink("127.0.0.1", tcp_echo.port, down=Latency(5.0), name="stoptest")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(NetsimError, match="not been started"):
         _ = link.port
     await link.start()
     address = link.address
@@ -303,11 +304,11 @@ async def test_a_crashed_task_fails_loudly(tcp_echo: TcpServer, caplog: pytest.L
 
 async def test_bad_controls_are_rejected(tcp_echo: TcpServer) -> None:
     async with FaultyLink("127.0.0.1", tcp_echo.port) as link:
-        with pytest.raises(ValueError, match="latency"):
+        with pytest.raises(ConfigError, match="latency"):
             link.set_latency("up", -0.1)
-        with pytest.raises(ValueError, match="direction"):
+        with pytest.raises(RequestError, match="direction"):
             link.block("sideways")  # type: ignore[arg-type]
         link.set_latency("both", 0.0, 0.0)
         assert link.url == f"http://127.0.0.1:{link.port}"
-        with pytest.raises(RuntimeError, match="already started"):
+        with pytest.raises(NetsimError, match="already started"):
             await link.start()

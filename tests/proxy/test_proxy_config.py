@@ -111,6 +111,7 @@ CASES = [
     ("rule.0.limit", "lots", "rule 'api'"),
     ("route.0.path", "api", "route[0].path: invalid route 'api'"),
     ("route.0.path", KeyError, "missing key route[0].path"),
+    ("route.0.path", "/users/{id}/friends/{id}", "route[0].path: invalid route '/users/{id}/friends/{id}'"),
     ("route.0.verbs", ["GET"], "unknown key 'route[0].verbs'"),
     ("route.0.methods", [], "route[0].methods must be a non-empty list"),
     ("route.0.methods", ["GE T"], "route[0].methods: invalid method"),

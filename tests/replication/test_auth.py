@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 
-from geolimit.errors import AuthenticationError, StorageError
+from geolimit.errors import AuthenticationError, ConfigError, StorageError
 from geolimit.replication.auth import (
     MIN_SECRET_BYTES,
     REGION,
@@ -197,15 +197,15 @@ async def test_the_secret_never_appears_in_reprs(store: AsyncStore, clock: Clock
 
 def test_short_secrets_and_bad_arguments_are_refused(clock: Clock) -> None:
     short = b"x" * (MIN_SECRET_BYTES - 1)
-    with pytest.raises(ValueError, match=f"at least {MIN_SECRET_BYTES} bytes"):
+    with pytest.raises(ConfigError, match=f"at least {MIN_SECRET_BYTES} bytes"):
         Signer(short, "a")
-    with pytest.raises(ValueError, match=f"at least {MIN_SECRET_BYTES} bytes"):
+    with pytest.raises(ConfigError, match=f"at least {MIN_SECRET_BYTES} bytes"):
         Verifier(short, ["a"], "b")
-    with pytest.raises(ValueError, match="dest"):
+    with pytest.raises(ConfigError, match="dest"):
         Signer(SECRET, "a").headers(BODY, "b\nc")
-    with pytest.raises(ValueError, match="own_region"):
+    with pytest.raises(ConfigError, match="own_region"):
         Verifier(SECRET, ["a"], "")
-    with pytest.raises(ValueError, match="window"):
+    with pytest.raises(ConfigError, match="window"):
         MemoryReplayGuard(0)
 
 

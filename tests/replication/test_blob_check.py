@@ -53,7 +53,8 @@ BAD = {
 
 
 @pytest.fixture
-async def store(redis_url: str) -> AsyncIterator[ReplicationStore]:
+async def store(redis_url: str, redis_client: object) -> AsyncIterator[ReplicationStore]:
+    """Region r's replication store on a flushed database (``redis_client`` flushes it)."""
     limiter = AsyncLimiter.from_url(redis_url, region="r", rules=[API], clock=CLOCK)
     limits = redis_io.Limits(blob_cells=8)
     yield ReplicationStore(limiter.store, limiter.layout, "r", limiter.rules, b"n0", now_us=CLOCK.now_us,

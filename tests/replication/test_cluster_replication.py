@@ -166,8 +166,8 @@ async def test_a_signed_peer_message_is_merged_on_the_cluster_and_relayed(
     redis_cluster_url: str, cluster_client: redis.cluster.RedisCluster, plain: tuple[str, str],
 ) -> None:
     """A delta from b straight to a's /v1/gossip: its blobs (one per shard, on all three
-    masters) are merged on the cluster and relayed to c; replayed or out-of-range
-    messages are refused and change nothing."""
+    masters) are merged on the cluster, relayed to c (b reports no link up) and repaired
+    into b by anti-entropy; replayed or out-of-range messages are refused and change nothing."""
     sites = layouts(redis_cluster_url, plain)["a-on-the-cluster"]
     async with Mesh(sites, [API], shards=SHARDS) as mesh:
         await until(mesh.ready, 30.0, "every agent ready")
@@ -199,14 +199,20 @@ async def test_a_signed_peer_message_is_merged_on_the_cluster_and_relayed(
         for i, subject in enumerate(SUBJECTS):
             assert (await a.usage("api", subject)).by_slot.get(slot) == i + 1, subject
 
-        async def relayed() -> bool:
-            for name in "bc":
+        def holds_all(name: str) -> Callable[[], Awaitable[bool]]:
+            async def check() -> bool:
                 for i, subject in enumerate(SUBJECTS):
                     if (await mesh[name].usage("api", subject)).by_slot.get(slot) != i + 1:
                         return False
-            return True
+                return True
+            return check
 
-        await until(relayed, 30.0, "the merged cells relayed to every region")
+        # The message reports no link of b's as up, so a relays the cells to c; never back to b,
+        # the source, whose own anti-entropy exchange with a brings them there.
+        await until(holds_all("c"), 30.0, "the merged cells relayed to c")
+        assert a.agent.engine is not None
+        await a.agent.engine.anti_entropy("b")
+        await until(holds_all("b"), 30.0, "the merged cells repaired into b")
 
         # The same message again is a replay (the guard lives in a's Redis: the cluster).
         status, reply = await post(body, headers)

@@ -195,7 +195,7 @@ async def test_cells_of_a_rule_with_another_structure_are_ignored(target: Region
     client = target["b"].client()
     before = dump_all(client)
     cells = [("api", b"victim", 1, "a/x1", 5, 0)]
-    body = _message(blobs_from_cells(KeyLayout(), cells), rules={"api": (20_000_000, 1_000_000)})
+    body = _message(blobs_from_cells(KeyLayout(), cells), rules={"api": (20_000_000, 1_000_000, 0)})
     status, _ = await _post(target, body, _signer(target).headers(body, "b"))
     assert status == 200
     after = dump_all(client)

@@ -7,7 +7,7 @@ One shard, so that every key shares one changed hash and one outbox per peer:
   is taken in bounded HSCAN batches, from a cursor that moves with the clock;
 * pack: an in-flight slot holds one field per pack call ('#<n>' -> msgpack of
   the keys and entries it took); a nack returns them all to the outbox, and so
-  it does for the layout of earlier versions (one field per key).
+  it does for in-flight fields of one key each (key -> entry), which settle.lua still reads.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ async def test_pack_keeps_one_field_per_call_in_flight_and_a_nack_returns_every_
     assert not redis_client.exists(tag + b"#f:b:2")
 
 
-async def test_a_nack_returns_in_flight_entries_of_the_earlier_layout(
+async def test_a_nack_returns_in_flight_entries_stored_one_key_a_field(
     limiter: AsyncLimiter, redis_client: redis.Redis
 ) -> None:
     store = _store(limiter, ["b"])

@@ -29,7 +29,7 @@ cells6 = st.lists(
 def test_wire_round_trip(cells: list[wire.Cell6]) -> None:
     blobs = blobs_from_cells(KeyLayout(), cells, max_cells=16)
     message = wire.Message(kind="delta", sender="us-east", dest="eu-west", now_us=123, reach={"eu-west": 0.25},
-                           failing=["ap"], rules={"api": (10_000_000, 1_000_000), "burst": (1_000_000, 100_000)},
+                           failing=["ap"], rules={"api": (10_000_000, 1_000_000, 0), "burst": (1_000_000, 100_000, 1)},
                            shards=64, blobs=blobs)
     back = wire.decode(wire.encode(message))
     assert sorted(unblob(back.blobs)) == sorted(cells)
@@ -43,7 +43,7 @@ def test_a_changed_cell_costs_at_most_16_bytes_on_the_wire() -> None:
     bucket = 1_795_313_487
     subjects = [f"user:{i}".encode() for i in range(1000)]
     cells = [("api", s, bucket + b, "us-east/6b02526ee9728", 500 + b, 0) for s in subjects for b in range(2)]
-    message = wire.Message(kind="delta", sender="us-east", dest="eu-west", rules={"api": (10**7, 10**6)}, shards=64,
+    message = wire.Message(kind="delta", sender="us-east", dest="eu-west", rules={"api": (10**7, 10**6, 0)}, shards=64,
                            blobs=blobs_from_cells(KeyLayout(), cells))
     size = len(wire.encode(message))
     key_bytes = sum(len(s) + 4 + 2 + 1 for s in subjects)  # "api:" + subject, its header, the cell list's

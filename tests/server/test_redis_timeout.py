@@ -5,7 +5,7 @@ A real redis-server is hung with SIGSTOP (always resumed with SIGCONT in a
 but nothing is ever answered, which is what a Redis stuck in a long command, a
 swapping host or a half-dead network looks like. The agent is configured from a
 TOML file, as an operator would. The bounds are generous (several times the
-configured timeout, well below the old fixed 5 s): these are behaviour tests,
+configured timeout, and well below 5 s): these are behaviour tests,
 not timing tests.
 """
 

@@ -1,5 +1,5 @@
 """The accuracy report tells the truth: the oracle's figures on traces with known answers,
-short runs marked INSUFFICIENT (never PASS), and the issue's targets asserted on full-length
+short runs marked INSUFFICIENT (never PASS), and the accuracy targets asserted on full-length
 simulated runs.
 
 Targets asserted here: escrow mode (0 over-admission in every scenario, under-use <= 5%

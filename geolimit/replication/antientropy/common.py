@@ -60,8 +60,9 @@ READ_FIELDS = 4096
 #: A keyspace of at least this many keys is scanned in parallel streams.
 STREAM_MIN_KEYS = 1 << 15
 #: (leaf, digest) numbers a digest pass queues before adding them into its
-#: leaves (16 MiB), and how many it adds between two awaits.
-PENDING_NUMBERS = 2 << 20
+#: leaves (1 MiB: an agent's memory must not grow with the keyspace while it
+#: scans), and how many it adds between two awaits.
+PENDING_NUMBERS = 1 << 17
 REDUCE_NUMBERS = 1 << 16
 #: Data keys per ``ae_read.lua`` call.
 READ_CALL_KEYS = 64
@@ -200,6 +201,7 @@ class _Digests:
         self.digests = array("Q", bytes(8 * total))
         self.counts = array("I", bytes(4 * total))
         self.pending = array("q")
+        self._reducing = 0  # reduce() calls running (the leaves are incomplete meanwhile)
         self.keys = 0
         self.seconds = 0.0
 
@@ -218,18 +220,23 @@ class _Digests:
 
     @property
     def reduced(self) -> bool:
-        return not self.pending
+        return not self.pending and not self._reducing
 
     async def reduce(self) -> None:
         """Add the queued pairs into the leaves, awaiting between chunks."""
         digests, counts, mask = self.digests, self.counts, MASK
-        while self.pending:
-            chunk = self.pending[:REDUCE_NUMBERS]
-            del self.pending[:REDUCE_NUMBERS]
-            for g, w in zip(chunk[0::2], chunk[1::2], strict=True):
-                digests[g] = (digests[g] + w) & mask
-                counts[g] += 1
-            await asyncio.sleep(0)
+        self._reducing += 1
+        try:
+            while self.pending:
+                queued, self.pending = self.pending, array("q")
+                for start in range(0, len(queued), REDUCE_NUMBERS):
+                    chunk = queued[start : start + REDUCE_NUMBERS]
+                    for g, w in zip(chunk[0::2], chunk[1::2], strict=True):
+                        digests[g] = (digests[g] + w) & mask
+                        counts[g] += 1
+                    await asyncio.sleep(0)
+        finally:
+            self._reducing -= 1
 
 
 def _node_sums(d: _Digests, leaves: int, per_shard: int, nodes: Sequence[int]) -> tuple[list[int], list[int]]:

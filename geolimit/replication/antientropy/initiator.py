@@ -145,7 +145,7 @@ class AntiEntropy(_Responder):
         self.stats["runs"] += 1
         xid = os.urandom(XID_BYTES)
         now_us = int(self.clock() * 1_000_000)
-        rules = dict(self.rules)
+        rules = {n: r for n, r in self.rules.items() if not r.escrow}  # escrow rules keep no cells
         # About 4 keys a leaf: a small keyspace gets a shallow tree (fewer round trips).
         leaves = leaves_per_shard(self.layout.shards, min(self.total_leaves, await self._local._dbsize() // 4))
         request = {

@@ -11,7 +11,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from geolimit.core.keys import KeyLayout, glob_escape
+from geolimit.core.keys import KeyLayout
 from geolimit.core.rule import Rule
 from geolimit.errors import GeolimitError, StorageError
 from geolimit.replication.antientropy.common import (
@@ -95,9 +95,8 @@ class _Local:
         self.page_us = page_us
         self.streams = streams
         self.duty = duty
-        prefix = layout.prefix.encode()
-        self.pattern = glob_escape(prefix) + b":{*}:*"
-        self.plen = b"%d" % len(prefix)
+        self.pattern = layout.data_pattern()
+        self.plen = b"%d" % len(layout.prefix.encode())
 
     async def _groups(self) -> list[tuple[int, list[int]]]:
         """``(routing shard, shards)`` per node: a cluster is scanned node by node."""

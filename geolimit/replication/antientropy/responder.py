@@ -147,7 +147,8 @@ class _Responder:
                     or type(item[1]) is not int or type(item[2]) is not int:
                 raise ProtocolError(f"anti-entropy: bad rule entry {_show(item)}")
             rule = self.rules.get(item[0])
-            if rule is not None and rule.structure == (item[1], item[2]):
+            # Escrow rules keep no cells: their state replicates through geolimit.replication.escrow.
+            if rule is not None and rule.structure == (item[1], item[2], 0):
                 accepted[item[0]] = rule
         mine = [x for x in self._exchanges.values() if x.peer == peer]
         if len(mine) >= MAX_EXCHANGES_PER_PEER:

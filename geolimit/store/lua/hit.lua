@@ -3,8 +3,13 @@
 -- KEYS per request: registry, changed, peers, then one data key per rule.
 -- ARGV: now_us|'', region, nonce, nreq, then per request:
 --   consume (1|0), cost, nrules, then per rule: limit, res_us, N, M, ttl_ms,
---   approx (1|0), predict (1|0), partition (0 local|1 share|2 closed), partition_after_us
+--   approx (1|0), predict (1|0), partition (0 local|1 share|2 closed), partition_after_us,
+--   escrow ('' for a gossip-mode rule, else 'share steps wait_us': this region's share of
+--   the limit, -1 while the regions are unknown; own steps per bucket; how soon rights
+--   from peers can arrive)
 -- Returns per request: allowed, then per rule: allowed, used, retry_us, reset_us.
+-- allowed is 1 or 0, or for an escrow rule denied before its count was looked at:
+-- -1 (the regions are not known yet), -2 (this shard's escrow state is being restored).
 -- Every number written to Redis goes through fmt: a Lua number passed to
 -- redis.call is formatted with %.17g (and as '6.4e+09' by Redis 7.2.0-7.2.4).
 local function fmt(x) return string.format('%d', x) end
@@ -12,78 +17,188 @@ local now = clock(ARGV[1])
 local region, nonce = ARGV[2], ARGV[3]
 local out = {}
 local ai, ki = 5, 1
+
+-- Escrow hold of a shard: field xo of its registry says its escrow state is
+-- intact; without it (a new or wiped Redis) escrow rules are denied from xs on,
+-- until the agent has pulled every peer's state and a window has passed.
+local function escrow_hold(reg)
+  local got = call('HMGET', reg, 'xo', 'xs')
+  if got[1] then return nil end
+  if not got[2] then
+    call('HSET', reg, 'xs', fmt(now))
+    return now
+  end
+  return tonumber(got[2])
+end
+
+-- One escrow rule of a request, read and judged (nothing written).
+local function escrow_rule(key, reg, limit, res, N, spec, cost, held)
+  local share, k, wait = string.match(spec, '^(%-?%d+) (%d+) (%d+)$')
+  share, k, wait = tonumber(share), tonumber(k), tonumber(wait)
+  local window = N * res
+  local r = {escrow = true, limit = limit, res = res, window = window, k = k}
+  if share < 0 then
+    r.code, r.retry = -1, res
+    return r
+  end
+  if held then
+    local left = held + window - now
+    r.code, r.retry = -2, left > 0 and left or res
+    return r
+  end
+  local step_us = res / k
+  local n = N * k
+  local st = escrow_load(key, region)
+  local cur = bucket(now, step_us)
+  local rights = share + escrow_net(st.net, limit)
+  local used = escrow_used(st.steps, cur, n, now, window)
+  r.st, r.cur, r.n, r.step_us, r.share, r.wait = st, cur, n, step_us, share, wait
+  r.rights, r.used = rights, used
+  r.ok = cost <= limit and used + cost <= rights
+  return r
+end
+
+-- The reply of an escrow rule: allowed, used (so that limit - used is what this
+-- region may still admit), retry_us, reset_us.
+local function escrow_reply(r, cost, consumed)
+  if r.code then return r.code, r.limit, r.retry, 0 end
+  local used = r.used
+  if consumed then used = used + cost end
+  local retry = 0
+  if not r.ok then
+    local wait = nil
+    if r.wait > 0 and escrow_spare_elsewhere(r.st.ads, region, r.limit, r.rights, bucket(now, r.res), r.window / r.res)
+        >= cost then
+      wait = r.wait
+    end
+    retry = escrow_retry(r.st.steps, r.cur, r.n, r.step_us, now, r.window, r.rights, cost, r.limit, wait)
+  end
+  local latest = -1
+  for _, s in pairs(r.st.steps) do
+    if s[2] > 0 and s[3] > latest and escrow_counts(s, r.cur, r.n, now, r.window) then latest = s[3] end
+  end
+  if consumed and cost > 0 then latest = now end
+  local reset = 0
+  if latest >= 0 then reset = latest + r.window + 1 - now end
+  local spare = r.rights - used
+  if spare < 0 then spare = 0 end
+  return (r.ok and 1 or 0), r.limit - spare, retry, reset
+end
+
+-- Record an escrow request: its own step (if admitted) and the units asked for.
+local function escrow_write(key, r, cost, consumed, ttl, track, chg)
+  local st = r.st
+  if consumed and cost > 0 then
+    local pos = r.cur % (r.n + 1)
+    local s = st.steps[pos]
+    local count = cost
+    if s and s[1] == r.cur then count = s[2] + cost end
+    call('HSET', key, 's' .. fmt(pos), fmt(r.cur) .. ':' .. fmt(count) .. ':' .. fmt(now))
+  end
+  local b = bucket(now, r.res)
+  local q = st.q
+  local asked, before = cost, 0
+  if q and q[1] == b then asked, before = q[2] + cost, q[3] elseif q and q[1] == b - 1 then before = q[2] end
+  call('HSET', key, 'q', fmt(b) .. ':' .. fmt(asked) .. ':' .. fmt(before))
+  escrow_expiry(key, st, r.limit, ttl)
+  if track then call('HSET', string.sub(chg, 1, -2) .. 'e', key, '1') end
+end
+
 for _ = 1, tonumber(ARGV[4]) do
   local consume, cost, nr = ARGV[ai] == '1', tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
   ai = ai + 3
   local reg, chg, peers = KEYS[ki], KEYS[ki + 1], KEYS[ki + 2]
   ki = ki + 3
-  local res_all, rs, info = true, {}, nil
+  local res_all, rs, info, held = true, {}, nil, false
   for j = 1, nr do
     local limit, res, N, M = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2]), tonumber(ARGV[ai + 3])
-    local approx, predict = ARGV[ai + 5] == '1', ARGV[ai + 6] == '1'
-    local partition = tonumber(ARGV[ai + 7])
-    local c = bucket(now, res)
-    local watch = predict or partition > 0
-    local sums, futs, h, own, stale, slots, firsts, e = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
-    local reserve, closed, predicted, ends = 0, false, 0, 0
-    if watch and (partition > 0 or has_remote(slots)) then
-      info = info or load_peers(reg, peers)
-      reserve, closed, predicted, ends = reservation(info, slots or {}, region, limit, res, now, predict, partition,
-                                                     tonumber(ARGV[ai + 8]))
+    local ttl, spec = tonumber(ARGV[ai + 4]), ARGV[ai + 9]
+    if spec ~= '' then
+      if held == false then held = escrow_hold(reg) end
+      local r = escrow_rule(KEYS[ki + j - 1], reg, limit, res, N, spec, cost, held)
+      r.ttl = ttl
+      if not r.ok then res_all = false end
+      rs[j] = r
+    else
+      local approx, predict = ARGV[ai + 5] == '1', ARGV[ai + 6] == '1'
+      local partition = tonumber(ARGV[ai + 7])
+      local c = bucket(now, res)
+      local watch = predict or partition > 0
+      local sums, futs, h, own, stale, slots, firsts, e = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
+      local reserve, closed, predicted, ends = 0, false, 0, 0
+      if watch and (partition > 0 or has_remote(slots)) then
+        info = info or load_peers(reg, peers)
+        reserve, closed, predicted, ends = reservation(info, slots or {}, region, limit, res, now, predict, partition,
+                                                       tonumber(ARGV[ai + 8]))
+      end
+      -- One rule: evaluate() below answers the same, so skip this pass.
+      if closed or (nr > 1 and not admits(sums, futs, firsts, N, now, cost, limit, res, approx, reserve)) then
+        res_all = false
+      end
+      rs[j] = {sums = sums, futs = futs, N = N, limit = limit, res = res, approx = approx, c = c, M = M, ttl = ttl,
+               h = h, own = own, stale = stale, reserve = reserve, closed = closed, firsts = firsts, e = e,
+               predicted = predicted, ends = ends}
     end
-    -- One rule: evaluate() below answers the same, so skip this pass.
-    if closed or (nr > 1 and not admits(sums, futs, firsts, N, now, cost, limit, res, approx, reserve)) then
-      res_all = false
-    end
-    rs[j] = {sums, futs, N, limit, res, approx, c, M, tonumber(ARGV[ai + 4]), h, own, stale, reserve, closed, firsts, e,
-             predicted, ends}
-    ai = ai + 9
+    ai = ai + 10
   end
   local single
-  if nr == 1 and res_all then
+  if nr == 1 and res_all and not rs[1].escrow then
     local r = rs[1]
-    single = {evaluate(r[1], r[15], r[2], r[3], now, cost, r[4], r[5], r[6], consume, r[13])}
-    single[3] = predicted_retry(single[3], r[1], r[15], r[2], r[3], now, cost, r[4], r[5], r[6], r[13], r[17], r[18])
+    single = {evaluate(r.sums, r.firsts, r.futs, r.N, now, cost, r.limit, r.res, r.approx, consume, r.reserve)}
+    single[3] = predicted_retry(single[3], r.sums, r.firsts, r.futs, r.N, now, cost, r.limit, r.res, r.approx,
+                                r.reserve, r.predicted, r.ends)
     res_all = single[1]
   end
   local consumed = res_all and consume
+  local track
   if consumed and cost > 0 then
-    local track = tracking(reg, region, nonce, now)
+    track = tracking(reg, region, nonce, now)
     for j = 1, nr do
       local key, r = KEYS[ki + j - 1], rs[j]
-      local c, M, h, res = r[7], r[8], r[10], r[5]
-      local value = r[11]
-      if value == 0 then value = math.floor((now - c * res) * SUB / res) end
-      value = value + cost * SUB
-      if h == nil or c > h then
-        if #r[12] > 0 then chunked('HDEL', key, r[12], 1000) end
-        local mark = expiry_mark(r[16], r[9])
-        if mark then
-          call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark))
-          arm_expiry(key, mark)
+      if not r.escrow then
+        local c, M, h, res = r.c, r.M, r.h, r.res
+        local value = r.own
+        if value == 0 then value = math.floor((now - c * res) * SUB / res) end
+        value = value + cost * SUB
+        if h == nil or c > h then
+          if #r.stale > 0 then chunked('HDEL', key, r.stale, 1000) end
+          local mark = expiry_mark(r.e, r.ttl)
+          if mark then
+            call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark))
+            arm_expiry(key, mark)
+          else
+            call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value))
+          end
         else
-          call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value))
+          call('HSET', key, fmt(c % M), fmt(value))
         end
-      else
-        call('HSET', key, fmt(c % M), fmt(value))
+        if track then call('HSETNX', chg, key, fmt(c)) end
       end
-      if track then call('HSETNX', chg, key, fmt(c)) end
     end
   end
   out[#out + 1] = res_all and 1 or 0
   for j = 1, nr do
     local r = rs[j]
     local ok, used, retry, reset
-    if single then
+    if r.escrow then
+      if consume and r.st then
+        if track == nil then track = tracking(reg, region, nonce, now) end
+        escrow_write(KEYS[ki + j - 1], r, cost, consumed, r.ttl, track, chg)
+      end
+      ok, used, retry, reset = escrow_reply(r, cost, consumed)
+    elseif single then
       ok, used, retry, reset = single[1], single[2], single[3], single[4]
     else
-      ok, used, retry, reset = evaluate(r[1], r[15], r[2], r[3], now, cost, r[4], r[5], r[6], consumed, r[13])
-      retry = predicted_retry(retry, r[1], r[15], r[2], r[3], now, cost, r[4], r[5], r[6], r[13], r[17], r[18])
+      ok, used, retry, reset = evaluate(r.sums, r.firsts, r.futs, r.N, now, cost, r.limit, r.res, r.approx,
+                                        consumed, r.reserve)
+      retry = predicted_retry(retry, r.sums, r.firsts, r.futs, r.N, now, cost, r.limit, r.res, r.approx, r.reserve,
+                              r.predicted, r.ends)
     end
-    if r[14] then
-      ok, retry = false, r[5]
+    if r.closed then
+      ok, retry = false, r.res
     end
-    out[#out + 1] = ok and 1 or 0
+    if ok == true then ok = 1 elseif ok == false then ok = 0 end
+    out[#out + 1] = ok
     out[#out + 1] = used
     out[#out + 1] = retry
     out[#out + 1] = reset

@@ -1,0 +1,418 @@
+"""Accuracy through real agent processes: the scenarios of ``geolimit bench accuracy``, for real.
+
+    python bench/agents.py [--scenario NAME ...] [--duration SECONDS] [--json PATH] [--escrow]
+
+Each scenario starts 3 ``geolimit agent`` processes (regions r1, r2, r3), each on its own
+embedded redis-server, gossiping every 100 ms through user-space delay links
+(:class:`geolimit.netsim.FaultyLink`, one per ordered pair of regions, 50 ms one way in each
+direction: netem is not available here). A load generator in this process sends the
+scenario's arrivals (:func:`geolimit.sim.accuracy.arrivals`, the simulator's own) to each
+region's ``POST /v1/check`` at their real times and records every decision at the midpoint of
+its round trip. The exact oracle (:func:`geolimit.sim.oracle.measure`) judges the log with the
+simulator's definitions: worst window over, under-use, honest wrongly-denied, admitted. The
+partition cuts every link to and from the last region; clock skew shifts each agent's clock
+(the test-only ``GEOLIMIT_TEST_CLOCK_OFFSET`` of ``geolimit agent``).
+
+Same-run baselines for every scenario: *simulator* (the same scenario in virtual time through
+the same Lua and gossip engine) and *exact* (one limiter that sees every request at once).
+``--escrow`` adds the escrow variant (agents whose rule has ``escrow = true``, and the escrow
+simulator), or prints "escrow: not available" while the rule does not take it.
+
+A run shorter than its scenario needs is INSUFFICIENT, never PASS. One-off scenarios (bursts,
+handoff) stop after their last arrival: nothing later can change their figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import (
+    AgentProcess,
+    die_with_parent,
+    free_port,
+    log_problems,
+    quantile,
+    statuses,
+    stop_process,
+    wait_agents_ready,
+)
+
+from geolimit.core.rule import Rule
+from geolimit.errors import ConfigError
+from geolimit.netsim import FaultyLink, Latency
+from geolimit.server.run import CLOCK_OFFSET_ENV
+from geolimit.sim.accuracy import (
+    SCENARIOS,
+    SUBJECT,
+    Outcome,
+    Scenario,
+    arrivals,
+    run_escrow_scenario,
+    run_exact_scenario,
+    run_scenario,
+)
+from geolimit.sim.oracle import Request, measure
+from geolimit.sim.report import INSUFFICIENT, MISS, PASS, pct
+from geolimit.store.embedded import EmbeddedRedis
+from geolimit.toml_config import parse_rules
+
+DEFAULT_SCENARIOS = ("standard", "skewed", "bursts", "partition-local", "clock-skew", "burst-otp", "burst-login",
+                     "handoff")
+AGENTS, SIMULATOR, EXACT, AGENTS_ESCROW, SIM_ESCROW = "agents", "simulator", "exact", "agents escrow", "sim escrow"
+#: The same-run baselines of each measured variant.
+BASELINES = {AGENTS: (SIMULATOR, EXACT), AGENTS_ESCROW: (SIM_ESCROW, EXACT)}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- the cluster: redis-servers, delay links, agent processes -------------------------------
+
+
+def rule_toml(s: Scenario, escrow: bool) -> str:
+    """The scenario's rule as an agent's ``[[rule]]`` table (escrow: mode, prediction and partition
+    policy do not apply)."""
+    r = s.rule()
+    lines = ["[[rule]]", f'name = "{r.name}"', f"limit = {r.limit}", f"window = {s.window!r}",
+             f"resolution = {s.resolution!r}"]
+    lines += ["escrow = true"] if escrow else [
+        f'mode = "{r.mode}"', f"predict = {str(r.predict).lower()}", f'partition = "{r.partition}"',
+        f"partition_after = {r.partition_after!r}"]
+    return "\n".join(lines) + "\n"
+
+
+def escrow_unavailable() -> str | None:
+    """Why the escrow variant cannot run yet, or None."""
+    options: dict[str, Any] = {"escrow": True}
+    try:
+        Rule("api", 5, 60.0, **options)
+    except TypeError:
+        return "Rule does not accept escrow=True yet"
+    try:
+        parse_rules([{"name": "api", "limit": 5, "window": 60, "escrow": True}], "bench")
+    except ConfigError as exc:
+        return f"the agent's [[rule]] table does not take escrow yet ({exc})"
+    return None
+
+
+def spawn_agent(name: str, config: Path, port: int, clock_offset: float | None) -> AgentProcess:
+    """``geolimit agent --config config``, logging next to its config, its clock ``clock_offset`` s off."""
+    env = dict(os.environ)
+    if clock_offset is not None:
+        env[CLOCK_OFFSET_ENV] = repr(clock_offset)
+    log = config.with_suffix(".log")
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "geolimit", "agent", "--config", str(config)], env=env, cwd=ROOT, stdout=out,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
+        )
+    return AgentProcess(name, f"http://127.0.0.1:{port}", proc, log)
+
+
+class Cluster:
+    """One redis-server and one ``geolimit agent`` per region; every peer URL is a delay link."""
+
+    def __init__(self, s: Scenario, folder: Path, escrow: bool) -> None:
+        self.s, self.folder, self.escrow = s, folder, escrow
+        self.redis: dict[str, EmbeddedRedis] = {}
+        self.links: dict[tuple[str, str], FaultyLink] = {}  # (from, to): what `from` dials to reach `to`
+        self.agents: list[AgentProcess] = []
+
+    async def __aenter__(self) -> Cluster:
+        try:
+            await self._start()
+        except BaseException:
+            await self.__aexit__()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        s, secret = self.s, self.folder / "gossip.key"
+        secret.touch(mode=0o600)
+        secret.write_text(os.urandom(32).hex() + "\n")
+        ports = {name: free_port() for name in s.names}
+        for name in s.names:
+            self.redis[name] = await asyncio.to_thread(EmbeddedRedis().start)
+        delay = Latency(s.latency)
+        for a in s.names:
+            for b in s.names:
+                if a != b:
+                    link = FaultyLink("127.0.0.1", ports[b], up=delay, down=delay, name=f"{a}->{b}")
+                    self.links[a, b] = await link.start()
+        skew = dict(zip(s.names, s.skew, strict=True)) if s.skew else {}
+        for name in s.names:
+            peers = ", ".join(f'{{ name = "{b}", url = "{self.links[name, b].url}" }}' for b in s.names if b != name)
+            config = self.folder / f"{name}.toml"
+            config.write_text(
+                f'[region]\nname = "{name}"\nredis_url = "{self.redis[name].url}"\n'
+                f'listen = "127.0.0.1:{ports[name]}"\nsecret_file = "{secret}"\n'
+                f"[gossip]\ninterval = {s.interval!r}\npeers = [{peers}]\n[log]\nlevel = \"WARNING\"\n"
+                + rule_toml(s, self.escrow)
+            )
+            self.agents.append(spawn_agent(name, config, ports[name], skew.get(name)))
+        await wait_agents_ready(self.agents, 60.0)
+        await asyncio.sleep(3 * s.interval)  # a few gossip rounds with every peer
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.gather(*(asyncio.to_thread(stop_process, a.proc, 10.0) for a in self.agents))
+        for link in self.links.values():
+            await link.stop()
+        for server in self.redis.values():
+            await asyncio.to_thread(server.stop)
+
+    def cut(self, region: str, cut: bool) -> None:
+        """Partition (or heal) every link to and from ``region``."""
+        for pair, link in self.links.items():
+            if region in pair and cut:
+                link.partition()
+            elif region in pair:
+                link.heal()
+
+    def log_errors(self) -> int:
+        return sum(log_problems(a.log)[0] for a in self.agents)
+
+
+# -- the load: the scenario's arrivals at their real times ----------------------------------
+
+
+@dataclass
+class Load:
+    log: list[Request]
+    start_us: int
+    errors: int  # requests without a decision (HTTP error, timeout)
+    late_p99_ms: float  # how late sends left against their schedule
+    late_max_ms: float
+
+
+async def drive(cluster: Cluster, s: Scenario) -> Load:
+    """Send every arrival before ``s.duration`` to its region's /v1/check; cut and heal on time."""
+    urls = {a.region: a.url + "/v1/check" for a in cluster.agents}
+    body = json.dumps({"rule": "api", "subject": SUBJECT.decode()}).encode()
+    events: list[tuple[float, Callable[[], None] | str]] = [(t, r) for t, r in arrivals(s) if t < s.duration]
+    if s.partition is not None:
+        begin, length = s.partition
+        events += [(begin, lambda: cluster.cut(s.names[-1], True)), (begin + length, lambda: cluster.cut(s.names[-1], False))]
+    events.sort(key=lambda e: e[0])
+    log: list[Request] = []
+    late: list[float] = []
+    errors = 0
+
+    def now_us() -> int:
+        return time.monotonic_ns() // 1000
+
+    async def check(http: aiohttp.ClientSession, region: str) -> None:
+        nonlocal errors
+        sent = now_us()
+        try:
+            async with http.post(urls[region], data=body, headers={"Content-Type": "application/json"}) as resp:
+                decision = await resp.json()
+                allowed = bool(decision["allowed"]) if resp.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
+            allowed = None
+        if allowed is None:
+            errors += 1
+            return
+        log.append(Request((sent + now_us()) // 2, region, 1, allowed))
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as http:
+        start_us = now_us() + 200_000
+        pending: set[asyncio.Task[None]] = set()
+        for offset, what in events:
+            due = start_us + round(offset * 1e6)
+            wait = due - now_us()
+            if wait > 0:
+                await asyncio.sleep(wait / 1e6)
+            late.append((now_us() - due) / 1000)
+            if isinstance(what, str):
+                task = asyncio.create_task(check(http, what))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            else:
+                what()
+        await asyncio.gather(*pending)
+    return Load(log, start_us, errors, quantile(late, 0.99), max(late, default=0.0))
+
+
+async def run_agents(s: Scenario, escrow: bool) -> Outcome:
+    with tempfile.TemporaryDirectory(prefix="geolimit-agents-") as folder:
+        async with Cluster(s, Path(folder), escrow) as cluster:
+            load = await drive(cluster, s)
+            seen = await statuses(cluster.agents)
+            log_errors = cluster.log_errors()
+    # What each agent measured of its peers' clocks (shows that a skew scenario's offsets took hold).
+    offsets = {r: {p: v.get("clock_offset") for p, v in st.get("peers", {}).items()} for r, st in seen.items()}
+    accuracy = measure(load.log, s.limit, round(s.window * 1e6), load.start_us, load.start_us + round(s.duration * 1e6))
+    extra = {"errors": load.errors, "late_p99_ms": round(load.late_p99_ms, 1),
+             "late_max_ms": round(load.late_max_ms, 1), "agent_log_errors": log_errors, "clock_offsets": offsets}
+    return Outcome(s, AGENTS_ESCROW if escrow else AGENTS, accuracy, extra=extra)
+
+
+async def run_one(variant: str, s: Scenario, sim_url: str) -> Outcome:
+    if variant in (AGENTS, AGENTS_ESCROW):
+        return await run_agents(s, variant == AGENTS_ESCROW)
+    if variant == SIMULATOR:
+        return replace(await run_scenario(sim_url, s, "geolimit"), variant=SIMULATOR)
+    if variant == SIM_ESCROW:
+        return replace(await run_escrow_scenario(s), variant=SIM_ESCROW)
+    return run_exact_scenario(s)
+
+
+# -- the report -------------------------------------------------------------------------------
+
+Figure = Callable[[Outcome], tuple[str, bool]]  # (shown, target met)
+
+
+def _at_most(figure: str, goal_pct: float) -> Figure:
+    """A percentage of the accuracy (``max_over_pct``, ...) whose target is at most ``goal_pct``."""
+    return lambda o: (pct(getattr(o.accuracy, figure)), getattr(o.accuracy, figure) <= goal_pct)
+
+
+def _handoff(o: Outcome) -> tuple[str, bool]:
+    total = round(o.scenario.load * o.scenario.limit)
+    offered = total - total * 6 // 10
+    got = o.accuracy.admitted_by_region.get(o.scenario.names[1], 0)
+    return f"{got} of {offered}", got >= 0.95 * offered
+
+
+def targets(outcomes: Sequence[Outcome]) -> list[tuple[str, str, str, str, str, str]]:
+    """(target, measured, simulator, exact, goal, verdict) for the issue's targets whose scenario ran."""
+    by = {(o.scenario.name, o.variant): o for o in outcomes}
+    rows: list[tuple[str, str, str, str, str, str]] = []
+
+    def add(name: str, variant: str, target: str, goal: str, figure: Figure) -> None:
+        o = by.get((name, variant))
+        if o is None:
+            return
+        shown, met = figure(o)
+        sim, exact = (figure(b)[0] if b else "-" for b in (by.get((name, v)) for v in BASELINES[variant]))
+        rows.append((target, shown, sim, exact, goal, INSUFFICIENT if o.insufficient else PASS if met else MISS))
+
+    add("standard", AGENTS, "worst window over, standard", "<= 1%", _at_most("max_over_pct", 1.0))
+    add("standard", AGENTS, "under-use, standard", "<= 3%", _at_most("under_use_pct", 3.0))
+    add("standard", AGENTS, "wrongly denied, standard", "<= 1%", _at_most("wrongly_denied_pct", 1.0))
+    add("clock-skew", AGENTS, "worst window over, +-1 s clock skew", "<= 2%", _at_most("max_over_pct", 2.0))
+    add("handoff", AGENTS, "handoff: r2 admits", ">= 95%", _handoff)
+    for o in outcomes:
+        if o.variant == AGENTS_ESCROW:
+            add(o.scenario.name, AGENTS_ESCROW, f"escrow: units over, {o.scenario.name}", "0",
+                lambda o: (f"{o.accuracy.max_over} over", o.accuracy.max_over == 0))
+            if o.scenario.pattern in ("split-burst", "paced-burst"):
+                add(o.scenario.name, AGENTS_ESCROW, f"escrow: burst admits, {o.scenario.name}",
+                    f"<= {o.scenario.limit}",
+                    lambda o: (f"{o.accuracy.admitted} of {o.accuracy.requests}", o.accuracy.admitted <= o.scenario.limit))
+    add("standard", AGENTS_ESCROW, "escrow: under-use, standard", "<= 5%", _at_most("under_use_pct", 5.0))
+    add("handoff", AGENTS_ESCROW, "escrow: handoff, r2 admits", ">= 95%", _handoff)
+    return rows
+
+
+def format_report(outcomes: Sequence[Outcome]) -> str:
+    head = (f"{'scenario':16} {'variant':13} {'max over':>9} {'mean over':>9} {'under-use':>9} "
+            f"{'wrongly allowed':>15} {'wrongly denied':>14} {'admitted':>8}  per region")
+    lines = [head, "-" * len(head)]
+    for o in outcomes:
+        a = o.accuracy
+        regions = " ".join(f"{r}={n}" for r, n in sorted(a.admitted_by_region.items()))
+        flag = "  (INSUFFICIENT)" if o.insufficient else ""
+        lines.append(f"{o.scenario.name:16} {o.variant:13} {pct(a.max_over_pct):>9} {pct(a.mean_over_pct):>9} "
+                     f"{pct(a.under_use_pct):>9} {pct(a.wrongly_allowed_pct):>15} {pct(a.wrongly_denied_pct):>14} "
+                     f"{a.admitted:8}  {regions}{flag}")
+    lines.append("")
+    for o in outcomes:
+        if o.variant in BASELINES:
+            x = o.extra
+            lines.append(f"load {o.scenario.name} ({o.variant}): {o.accuracy.requests} decisions, {x['errors']} "
+                         f"without one; sends late by p99 {x['late_p99_ms']:.1f} ms, max {x['late_max_ms']:.1f} ms; "
+                         f"{x['agent_log_errors']} ERROR lines in the agents' logs")
+            if o.scenario.skew:
+                seen = "; ".join(f"{r} sees {', '.join(f'{p} {v:+.2f} s' for p, v in peers.items() if v is not None)}"
+                                 for r, peers in x["clock_offsets"].items())
+                lines.append(f"  clock offsets measured by the agents: {seen}")
+    for reason in dict.fromkeys(o.insufficient for o in outcomes if o.insufficient):
+        lines.append(f"INSUFFICIENT: {reason}; its figures say nothing about the targets. Run without --duration.")
+    lines.append("")
+    lines.append(f"{'target':40} {'agents':>12} {'simulator':>12} {'exact':>12}  {'goal':8} verdict")
+    for target, measured, sim, exact, goal, verdict in targets(outcomes):
+        lines.append(f"{target:40} {measured:>12} {sim:>12} {exact:>12}  {goal:8} {verdict}")
+    return "\n".join(lines)
+
+
+def as_json(outcomes: Sequence[Outcome], elapsed: float, escrow_note: str | None) -> dict[str, Any]:
+    return {
+        "elapsed_seconds": round(elapsed, 1),
+        "escrow": escrow_note or "available",
+        "runs": [{"scenario": o.scenario.name, "variant": o.variant, "settings": asdict(o.scenario),
+                  "accuracy": o.accuracy.as_dict(), "insufficient": o.insufficient, **o.extra} for o in outcomes],
+        "targets": [{"target": t, "measured": m, "simulator": s, "exact": e, "goal": g, "verdict": v}
+                    for t, m, s, e, g, v in targets(outcomes)],
+    }
+
+
+async def run_all(names: Sequence[str], duration: float | None, variants: Sequence[str]) -> list[Outcome]:
+    outcomes: list[Outcome] = []
+    total = len(names) * len(variants)
+    with EmbeddedRedis() as sim_redis:
+        sim_url = sim_redis.url.rsplit("/", 1)[0]
+        for name in names:
+            s = SCENARIOS[name] if duration is None else replace(SCENARIOS[name], duration=duration)
+            for variant in variants:
+                began = time.perf_counter()
+                o = await run_one(variant, s, sim_url)
+                outcomes.append(o)
+                a = o.accuracy
+                print(f"  [{len(outcomes)}/{total}] {name:16} {variant:13} {time.perf_counter() - began:5.1f} s  "
+                      f"max over {pct(a.max_over_pct)}, under-use {pct(a.under_use_pct)}"
+                      f"{'  INSUFFICIENT' if o.insufficient else ''}", flush=True)
+    return outcomes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--scenario", action="append", choices=list(SCENARIOS),
+                        help=f"repeatable; default: {', '.join(DEFAULT_SCENARIOS)}")
+    parser.add_argument("--duration", type=float, help="seconds per scenario (shorter than it needs: INSUFFICIENT)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--escrow", action="store_true", help="also run the escrow variant (rule escrow = true)")
+    args = parser.parse_args(argv)
+    if args.duration is not None and not args.duration > 0:
+        parser.error("--duration must be a positive number of seconds")
+    names = args.scenario or list(DEFAULT_SCENARIOS)
+    variants = [AGENTS, SIMULATOR, EXACT]
+    escrow_note = escrow_unavailable() if args.escrow else None
+    if args.escrow:
+        print(f"escrow: not available ({escrow_note})" if escrow_note else "escrow: on", flush=True)
+        variants += [] if escrow_note else [AGENTS_ESCROW, SIM_ESCROW]
+    logging.basicConfig(level=logging.ERROR)  # the links log refused dials while agents start, by design
+    print(f"bench/agents.py: {len(names)} scenarios x {', '.join(variants)}; 3 agent processes, "
+          f"{SCENARIOS['standard'].latency * 1000:g} ms one-way links, "
+          f"{SCENARIOS['standard'].interval * 1000:g} ms gossip", flush=True)
+    started = time.perf_counter()
+    try:
+        outcomes = asyncio.run(run_all(names, args.duration, variants))
+    except RuntimeError as exc:  # an agent did not start: its log's tail says why
+        print(f"bench/agents.py: {exc}", file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - started
+    print(format_report(outcomes))
+    print(f"\n({elapsed:.0f} s of wall time)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(as_json(outcomes, elapsed, escrow_note), indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Escrow messages over HTTP: ``POST /v1/escrow``, signed like gossip.
+
+The route checks, in order, as ``/v1/gossip`` does: size (413), authentication
+(401), decoding and every key's fields (400, nothing written), then the replay
+guard, then Redis (503 when it fails). Responses are signed for the requester
+with the request's sequence number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from typing import Protocol
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from geolimit.errors import (
+    AuthenticationError,
+    PeerRefused,
+    ProtocolError,
+    StorageError,
+    TransportError,
+)
+from geolimit.replication import escrow_wire
+from geolimit.replication.auth import SEQ, Signer, Verifier
+from geolimit.replication.escrow import EscrowReplicator
+from geolimit.replication.escrow_wire import ESCROW_PATH, EscrowMessage
+from geolimit.replication.transport import CONTENT_TYPE, read_limited
+
+__all__ = ["EscrowHttpTransport", "add_escrow_routes"]
+
+log = logging.getLogger("geolimit.escrow")
+
+
+class EscrowHttpTransport:
+    """Posts signed escrow messages to ``<peer url>/v1/escrow`` and verifies the signed answer."""
+
+    def __init__(self, urls: dict[str, str], signer: Signer, verifier: Verifier, timeout: float = 2.0,
+                 ssl_context: ssl.SSLContext | None = None, max_response_bytes: int = 64 * 1024 * 1024) -> None:
+        self._urls = {name: url.rstrip("/") + ESCROW_PATH for name, url in urls.items()}
+        self._signer = signer
+        self._verifier = verifier
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._ssl = ssl_context
+        self._max_response = max_response_bytes
+        self._session: aiohttp.ClientSession | None = None
+
+    def set_url(self, peer: str, url: str) -> None:
+        self._urls[peer] = url.rstrip("/") + ESCROW_PATH
+
+    async def send(self, peer: str, message: EscrowMessage) -> EscrowMessage:
+        body = escrow_wire.encode(message)
+        headers = self._signer.headers(body, peer)
+        headers["Content-Type"] = CONTENT_TYPE
+        seq = int(headers[SEQ])
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(
+                ssl=self._ssl if self._ssl is not None else True))
+        try:
+            async with self._session.post(self._urls[peer], data=body, headers=headers) as resp:
+                payload = await read_limited(resp.content, self._max_response)
+                if payload is None:
+                    raise TransportError(f"{peer} sent an escrow answer over {self._max_response} bytes")
+                if resp.status != 200:
+                    detail = payload[:200].decode("utf-8", "replace")
+                    if resp.status == 400:
+                        raise PeerRefused(f"{peer} refused the escrow message: {detail}", resp.status)
+                    raise TransportError(f"{peer} answered HTTP {resp.status}: {detail}")
+                reply_headers = CIMultiDict(resp.headers)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise TransportError(f"{peer} unreachable: {type(exc).__name__}: {exc}") from exc
+        self._verifier.verify_response(reply_headers, payload, expect_seq=seq, sender=peer)
+        reply = escrow_wire.decode(payload)
+        if reply.sender != peer or reply.kind not in ("ack", "page"):
+            raise ProtocolError(f"escrow answer from {peer} is not an ack or page from it")
+        return reply
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        self._session = None
+
+
+class EscrowAgent(Protocol):
+    """What the route needs from the agent."""
+
+    signer: Signer
+    verifier: Verifier
+    escrow: EscrowReplicator | None
+
+    @property
+    def max_message_bytes(self) -> int: ...
+
+
+def _error(status: int, reason: str, message: str) -> web.Response:
+    return web.json_response({"error": message, "reason": reason}, status=status)
+
+
+def add_escrow_routes(app: web.Application, agent: EscrowAgent) -> None:
+    async def escrow(request: web.Request) -> web.StreamResponse:
+        cap = agent.max_message_bytes
+        if request.content_length is not None and request.content_length > cap:
+            return _error(413, "too_large", f"escrow body over {cap} bytes")
+        body = await read_limited(request.content, cap)
+        if body is None:
+            return _error(413, "too_large", f"escrow body over {cap} bytes")
+        try:
+            auth = agent.verifier.authenticate(request.headers, body)
+        except AuthenticationError as exc:
+            log.warning("escrow message from %s refused: %s", request.remote, exc)
+            return _error(401, "auth", str(exc))
+        replicator = agent.escrow
+        if replicator is None:
+            return _error(503, "starting", "agent is starting")
+        try:
+            message = escrow_wire.decode(body)
+            if message.sender != auth.sender:
+                raise ProtocolError(f"body says it is from {message.sender!r}, headers say {auth.sender!r}")
+            reply = await replicator.receive(message, admit=lambda: agent.verifier.check_replay(auth))
+        except AuthenticationError as exc:
+            log.warning("escrow message from %s refused: %s", auth.sender, exc)
+            return _error(401, "auth", str(exc))
+        except ProtocolError as exc:
+            replicator.stats["refused"] += 1
+            log.warning("escrow message from %s refused: %s", auth.sender, exc)
+            return _error(400, "decode", str(exc))
+        except StorageError as exc:
+            return _error(503, "redis", str(exc))
+        payload = escrow_wire.encode(reply)
+        headers = agent.signer.headers(payload, auth.sender, seq=int(request.headers[SEQ]), response=True)
+        headers["Content-Type"] = CONTENT_TYPE
+        return web.Response(body=payload, headers=headers)
+
+    app.router.add_post(ESCROW_PATH, escrow)

@@ -1,0 +1,189 @@
+"""Redis I/O of escrow replication: the scripts of one region's agent and the scans it serves.
+
+* :meth:`EscrowStore.drain` takes the escrow keys that changed (``escrow_drain.lua``);
+* :meth:`EscrowStore.give` writes an advert and this region's gifts (``escrow_give.lua``);
+* :meth:`EscrowStore.merge` merges a peer's vetted fields (``escrow_merge.lua``);
+* :meth:`EscrowStore.page` reads a page of escrow keys for a peer's pull (SCAN);
+* :meth:`EscrowStore.holds` and :meth:`EscrowStore.release` handle the per-shard hold
+  after a new or wiped Redis (registry fields ``xs``: since when, ``xo``: intact);
+* :meth:`EscrowStore.publish` tells the apps the regions (rules hash, ``@escrow``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from geolimit.core.keys import KeyLayout, glob_escape
+from geolimit.core.rule import Rule
+from geolimit.errors import StorageError
+from geolimit.limiter_base import ESCROW_FIELD
+from geolimit.replication.escrow_fields import replicated
+from geolimit.store.async_store import AsyncStore
+from geolimit.store.redis_store import describe_error
+from geolimit.store.scripts import load_script
+
+__all__ = ["EscrowStore", "Given", "Held"]
+
+_DRAIN = load_script("escrow_drain")
+_GIVE = load_script("escrow_give")
+_MERGE = load_script("escrow_merge")
+
+#: Keys taken from one shard's changed set per round.
+DRAIN_PER_SHARD = 500
+#: Keys a SCAN step looks at for a pull page.
+SCAN_COUNT = 500
+
+
+def _flat(pairs: Sequence[Any]) -> dict[bytes, bytes]:
+    return {pairs[i]: pairs[i + 1] for i in range(0, len(pairs) - 1, 2)}
+
+
+@dataclass(frozen=True, slots=True)
+class Given:
+    key: bytes
+    changed: bool
+    given: int
+    rights: int
+    fields: dict[bytes, bytes]  # the key's replicated fields (when changed)
+
+
+@dataclass(slots=True)
+class Held:
+    """Shards whose escrow state is held (registry field ``xs``, no ``xo``)."""
+
+    since: dict[int, int] = field(default_factory=dict)  # shard -> xs (µs)
+
+
+class EscrowStore:
+    def __init__(self, store: AsyncStore, layout: KeyLayout, region: str, nonce: bytes) -> None:
+        self.store = store
+        self.layout = layout
+        self.region = region
+        self.nonce = nonce
+
+    async def time_us(self) -> int:
+        try:
+            seconds, micros = await self.store.client().time()
+        except Exception as exc:  # redis-py errors and a closed client alike
+            raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
+        return int(seconds) * 1_000_000 + int(micros)
+
+    async def publish(self, regions: Sequence[str], wait_us: int) -> None:
+        value = ",".join(sorted(regions)) + f";{wait_us}"
+        try:
+            await self.store.client().hset(self.layout.rules_key, ESCROW_FIELD, value)
+        except Exception as exc:
+            raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
+
+    async def holds(self, shards: Sequence[int], now_us: int) -> Held:
+        """The held shards among ``shards``; a shard with neither field starts its hold now."""
+        client = self.store.client()
+        held = Held()
+        regs = [self.layout.registry_key(s) for s in shards]
+        try:
+            pipe = client.pipeline(transaction=False)
+            for reg in regs:
+                pipe.hmget(reg, ["xo", "xs"])
+            got = await pipe.execute()
+            fresh = [i for i, (intact, since) in enumerate(got) if intact is None and since is None]
+            if fresh:
+                pipe = client.pipeline(transaction=False)
+                for i in fresh:
+                    pipe.hsetnx(regs[i], "xs", str(now_us))
+                    pipe.hmget(regs[i], ["xo", "xs"])
+                for i, pair in zip(fresh, (await pipe.execute())[1::2], strict=True):
+                    got[i] = pair
+        except Exception as exc:
+            raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
+        for shard, (intact, since) in zip(shards, got, strict=True):
+            if intact is None and since is not None:
+                held.since[shard] = int(since)
+        return held
+
+    async def release(self, shard: int) -> None:
+        try:
+            await self.store.client().hset(self.layout.registry_key(shard), "xo", "1")
+        except Exception as exc:
+            raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
+
+    async def drain(self, shards: Sequence[int]) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Changed escrow keys of ``shards`` with their fields (each taken once)."""
+        calls = [[b"1", self.layout.tag(s) + b"#e", b"%d" % DRAIN_PER_SHARD] for s in shards]
+        out: list[tuple[bytes, dict[bytes, bytes]]] = []
+        for reply in await self.store.run_many(_DRAIN, calls):
+            if isinstance(reply, BaseException):
+                raise reply
+            for i in range(0, len(reply) - 1, 2):
+                out.append((reply[i], _flat(reply[i + 1])))
+        return out
+
+    async def give(
+        self, plans: Sequence[tuple[bytes, Rule, int, Mapping[str, int]]], now_us: int | None,
+    ) -> list[Given]:
+        """For each ``(key, rule, share, gifts)``: write the advert and the gifts, capped by the spare."""
+        calls = []
+        for key, rule, share, gifts in plans:
+            shard, _, _ = self.layout.parse_data_key(key)
+            args = [b"2", self.layout.registry_key(shard), key, b"" if now_us is None else b"%d" % now_us,
+                    self.region.encode(), b"%d" % rule.limit, b"%d" % share, b"%d" % rule.escrow_steps,
+                    b"%d" % rule.buckets, b"%d" % rule.resolution_us, b"%d" % rule.ttl_ms]
+            for receiver, amount in sorted(gifts.items()):
+                args += [receiver.encode(), b"%d" % amount]
+            calls.append(args)
+        out = []
+        for (key, _, _, _), reply in zip(plans, await self.store.run_many(_GIVE, calls), strict=True):
+            if isinstance(reply, BaseException):
+                raise reply
+            if reply[0] == 0:
+                continue  # held: nothing written
+            out.append(Given(key, reply[0] == 2, int(reply[1]), int(reply[2]), _flat(reply[3:])))
+        return out
+
+    async def merge(
+        self, by_shard: Mapping[int, list[tuple[bytes, Rule, list[tuple[bytes, bytes]]]]], now_us: int | None,
+    ) -> int:
+        """Merge vetted fields, one script call per shard; the number of fields that changed."""
+        calls = []
+        for shard, items in by_shard.items():
+            keys = [self.layout.registry_key(shard), *(key for key, _, _ in items)]
+            args = [b"" if now_us is None else b"%d" % now_us, self.region.encode(), self.nonce]
+            for _, rule, pairs in items:
+                args += [b"%d" % rule.limit, b"%d" % rule.ttl_ms, b"%d" % len(pairs)]
+                for name, value in pairs:
+                    args += [name, value]
+            calls.append([b"%d" % len(keys), *keys, *args])
+        changed = 0
+        for reply in await self.store.run_many(_MERGE, calls):
+            if isinstance(reply, BaseException):
+                raise reply
+            changed += sum(int(x) for x in reply)
+        return changed
+
+    async def page(
+        self, rules: Sequence[Rule], cursor: tuple[int, int, int],
+    ) -> tuple[list[tuple[bytes, dict[bytes, bytes]]], tuple[int, int, int] | None]:
+        """Escrow keys of ``rules`` from ``cursor`` on (rule index, node index, SCAN cursor):
+        ``(rule:subject, replicated fields)`` pairs and the next cursor (None: done)."""
+        index, node, scan = cursor
+        if index >= len(rules) or self.store.clustered:
+            # Redis Cluster: a pull serves nothing (pushes and merges still replicate every change).
+            return [], None
+        prefix = self.layout.prefix.encode()
+        pattern = glob_escape(prefix) + b":{*}:" + rules[index].name.encode() + b":*"
+        try:
+            scan, keys = await self.store.client().scan(cursor=scan, match=pattern, count=SCAN_COUNT)
+        except Exception as exc:
+            raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
+        out = []
+        found = [k if isinstance(k, bytes) else k.encode() for k in keys]
+        if found:
+            for key, fields in zip(found, await self.store.read(found), strict=True):
+                shared = replicated(fields)
+                if shared:
+                    _, rule, subject = self.layout.parse_data_key(key)
+                    out.append((rule.encode() + b":" + subject, shared))
+        if scan == 0:
+            index, scan = index + 1, 0
+        return out, (None if index >= len(rules) else (index, node, int(scan)))

@@ -1,0 +1,59 @@
+"""The agent's ``/v1/status`` document: the region, its incarnations, readiness and every peer link."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from geolimit.server.agent import Agent
+
+__all__ = ["agent_status"]
+
+
+def agent_status(agent: Agent, now: float) -> dict[str, Any]:
+    """``/v1/status`` of ``agent`` at clock time ``now``."""
+    engine = agent.engine
+    peers: dict[str, Any] = {}
+    incarnations: dict[str, int] = {}
+    if engine is not None:
+        for slot in engine.own_slots.values():
+            inc = slot.rpartition("/")[2]
+            incarnations[inc] = incarnations.get(inc, 0) + 1
+        for peer in engine.peers.values():
+            oldest = peer.oldest_us
+            peers[peer.name] = {
+                "last_contact": peer.last_ok,
+                "last_contact_age": None if peer.last_ok is None else round(now - peer.last_ok, 3),
+                "lag": 0.0 if oldest is None else round(max(0.0, now - oldest / 1e6), 3),
+                "outbox": peer.queued,
+                "in_flight": len(peer.flying),
+                "errors": peer.errors,
+                "consecutive_failures": peer.failures,
+                "last_error": peer.last_error,
+                "last_error_age": None if peer.last_error_at is None else round(now - peer.last_error_at, 3),
+                "cells_sent": peer.cells_sent,
+                "cells_received": peer.cells_received,
+                "anti_entropy_ok": peer.ae_ok,
+                "anti_entropy": engine.repair.status(peer.name),
+                "refused_cells": peer.refused,
+                "rtt": round(peer.rtt, 4),
+                "clock_offset": round(peer.skew, 3),
+            }
+    ready, waiting = agent.readiness()
+    newest = max(incarnations, default=None)
+    return {
+        "region": agent.config.region,
+        "incarnation": newest,
+        "incarnations": incarnations,
+        "ready": ready,
+        "waiting_for": waiting,
+        "peers": peers,
+        "failures": agent.background_failures(),
+        # Several workers: the figures above are those of the worker that answered (its shards'
+        # outboxes); region_peers has the region's, over every worker (at most a second old).
+        "worker": {"index": agent.worker_index, "workers": agent.config.workers, "shards": len(agent.owned),
+                   "pid": os.getpid(), "region_peers": agent.metrics.region_peers()},
+        "rules": {r.name: r.describe() for r in agent.config.rules},
+        "escrow": None if agent.escrow is None or not agent.escrow.rules else agent.escrow.status(),
+    }

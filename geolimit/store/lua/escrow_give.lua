@@ -1,0 +1,56 @@
+-- escrow_give: this region's part of one rebalancing round for one escrow key:
+-- write its advert (own use and demand, if they changed) and raise its own
+-- transfers t:<me>:<receiver>:<limit> by the planned amounts, each capped by the
+-- spare (rights less own use) as Redis holds it now: apps may have admitted since
+-- the plan was made.
+-- KEYS: registry, data key.
+-- ARGV: now_us|'', me, limit, share, steps per bucket, N, res_us, ttl_ms, then
+--   receiver, amount pairs.
+-- Returns {0} while the shard's escrow state is held (nothing written), else
+-- {1 if anything changed else 0 + 1, given, rights, then the key's replicated
+-- fields t:... and a:... as name, value pairs}: status 1 unchanged, 2 changed.
+local function fmt(x) return string.format('%d', x) end
+local now = clock(ARGV[1])
+local reg, key, me = KEYS[1], KEYS[2], ARGV[2]
+if not call('HGET', reg, 'xo') then return {0} end
+local limit, share, k = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local N, res, ttl = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local window, step_us, n = N * res, res / k, N * k
+local st = escrow_load(key, me)
+local cur = bucket(now, step_us)
+local used = escrow_used(st.steps, cur, n, now, window)
+local spare = share + escrow_net(st.net, limit) - used
+local changed, given = false, 0
+for i = 9, #ARGV - 1, 2 do
+  local amount = tonumber(ARGV[i + 1])
+  if amount > spare then amount = spare end
+  if amount > 0 then
+    call('HINCRBY', key, 't:' .. me .. ':' .. ARGV[i] .. ':' .. fmt(limit), fmt(amount))
+    st.net[limit] = (st.net[limit] or 0) - amount
+    spare = spare - amount
+    given = given + amount
+    changed = true
+  end
+end
+local demand = escrow_demand(st.q, now, res, window)
+local b = bucket(now, res)
+local ad = st.ads[me]
+if not ad or ad[2] ~= used or ad[3] ~= demand or (ad[4] ~= b and (used > 0 or demand > 0 or ad[2] > 0 or ad[3] > 0)) then
+  local version = ad and ad[1] + 1 or 1
+  call('HSET', key, 'a:' .. me, fmt(version) .. ':' .. fmt(used) .. ':' .. fmt(demand) .. ':' .. fmt(b))
+  changed = true
+end
+if changed or st.e == nil then escrow_expiry(key, st, limit, ttl) end
+local rights = share + escrow_net(st.net, limit)
+local out = {changed and 2 or 1, given, rights}
+if changed then
+  local flat = call('HGETALL', key)
+  for i = 1, #flat, 2 do
+    local c = string.sub(flat[i], 1, 2)
+    if c == 't:' or c == 'a:' then
+      out[#out + 1] = flat[i]
+      out[#out + 1] = flat[i + 1]
+    end
+  end
+end
+return out
