@@ -93,11 +93,14 @@ class AntiEntropyDriver:
         # Clear the request when the run *starts*: a wipe detected while this run is
         # in flight asks again, and this run (which read the data before the wipe)
         # must not swallow that request when it ends.
+        # A periodic exchange settles (skips the buckets that deltas may still be filling);
+        # one that something asked for (start-up, a wipe, a link back up) compares all.
+        periodic = not peer.ae_needed
         peer.ae_needed = False
         result: AntiEntropyResult | None = None
         stats["ae_runs"] += 1
         try:
-            result = await self.ae.run(peer.name)
+            result = await self.ae.run(peer.name, engine.settings.ae_settle if periodic else 0.0)
         except (TransportError, ProtocolError, StorageError) as exc:
             stats["ae_failed"] += 1
             peer.ae_failures += 1
@@ -119,10 +122,13 @@ class AntiEntropyDriver:
         peer.ae_ok += 1
         peer.ae_failures = 0
         peer.ae_last_error = None
-        if result.truncated:  # more differences than one run repairs: go on at once
-            peer.ae_needed = True
         wait = periodic_wait(engine.settings.anti_entropy_interval, result.seconds)
         peer.ae_due = engine.clock() + wait * engine.rng.uniform(0.8, 1.2)
+        if result.truncated:  # more differences than one run repairs: go on at once, the same way
+            if periodic:
+                peer.ae_due = engine.clock()
+            else:
+                peer.ae_needed = True
 
     def status(self, name: str) -> dict[str, Any]:
         """The last exchange with peer ``name``, for ``/v1/status``."""
@@ -133,5 +139,5 @@ class AntiEntropyDriver:
         if last is not None:
             out.update(seconds=round(last.seconds, 3), keys_scanned=last.keys_scanned,
                        keys_differing=last.keys_differing, cells_received=last.cells_received,
-                       cells_sent=last.cells_sent, truncated=last.truncated)
+                       cells_sent=last.cells_sent, truncated=last.truncated, settle=last.settle)
         return out

@@ -21,6 +21,9 @@ class EngineSettings:
     window: int = 4  # messages in flight per peer (at most 8)
     drain_passes: int = 16  # bounded drain calls per shard and round
     ae_max_keys: int = 200_000  # keys listed and repaired per anti-entropy run (the next run goes on)
+    #: Periodic exchanges compare only buckets that ended at least this long ago (cells of
+    #: later ones may still be in deltas); exchanges something asked for compare all.
+    ae_settle: float = 10.0
     ae_duty: float = 1.0  # share of Redis time anti-entropy scans may take (each script call is ~1 ms anyway)
     anti_entropy: bool = True  # initiate exchanges (one worker per region does; every worker serves them)
 

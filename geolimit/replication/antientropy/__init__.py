@@ -1,8 +1,10 @@
 """Anti-entropy that holds at a million live keys per region.
 
 Two regions compare what they hold for the *live window* of the initiator's
-clock (buckets ``[c - N, c + F]`` of every rule both sides share) and repair
-the differences, in many small steps:
+clock (buckets ``[c - N, c + F]`` of every rule both sides share; a periodic
+exchange with ``settle`` stops at the last bucket that ended ``settle`` before
+``now``, leaving the cells deltas still carry to gossip) and repair the
+differences, in many small steps:
 
 1. **Digests, in Redis.** ``ae_scan.lua`` walks the node's keys with ``SCAN``
    in bounded pages (a few hundred keys, at most ~8k hash fields per call) and
@@ -39,7 +41,7 @@ anything is written.
 
 Steps (``payload["op"]``; ``x`` is the 16-byte exchange id)::
 
-    begin   {x, now, shards, leaves, rules: [[name, window_us, res_us], ...]}
+    begin   {x, now, shards, leaves, rules: [[name, window_us, res_us], ...], settle?}
             -> {x, rules: [accepted names]}          (responder starts pass 1)
     tree    {x, level, nodes: [node, ...]}            (<= 2048 nodes)
             -> {ready: false, scanned} | {ready: true, d: 8 bytes/node, c: 4 bytes/node}

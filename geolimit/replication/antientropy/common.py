@@ -50,6 +50,8 @@ MAX_SUFFIX = 65 + MAX_SUBJECT_BYTES
 #: Clock difference beyond which a peer's ``now`` is refused (µs).
 MAX_SKEW_US = 300 * 1_000_000
 MAX_EXCHANGES_PER_PEER = 2
+#: The longest settle time an exchange may ask for (µs).
+MAX_SETTLE_US = 3600 * 1_000_000
 MAX_EXCHANGES = 16
 XID_BYTES = 16
 #: Lua work bounds: hash fields read per call, and the size from which a key
@@ -154,6 +156,7 @@ class AntiEntropyResult:
     blobs_sent: int = 0
     steps: int = 0  # requests sent
     truncated: bool = False  # more differences than max_keys: the next run goes on
+    settle: float = 0.0  # seconds: buckets that ended later than this were not compared (periodic runs)
     rules: list[str] = field(default_factory=list)
 
     @property
@@ -170,14 +173,25 @@ class _Plan:
     rules: dict[str, Rule]
     leaves: int
     shards: int
+    #: Compare only buckets that ended at least this long before ``now_us`` (0: up to
+    #: ``c + F``). Periodic exchanges settle: cells still travelling in deltas are not
+    #: differences, and under load they would fill every listing.
+    settle_us: int = 0
     rule_args: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         args = [b"%d" % len(self.rules)]
         for name, rule in self.rules.items():
             args += (name.encode(), b"%d" % rule.resolution_us, b"%d" % rule.buckets,
-                     b"%d" % rule.ring, b"%d" % rule.future)
+                     b"%d" % rule.ring, b"%d" % self.future(rule))
         self.rule_args = args
+
+    def future(self, rule: Rule) -> int:
+        """The last bucket compared, relative to the current one (``F``, or negative when settling)."""
+        if not self.settle_us:
+            return rule.future
+        res = rule.resolution_us
+        return (self.now_us - self.settle_us) // res - 1 - self.now_us // res
 
     @property
     def total(self) -> int:

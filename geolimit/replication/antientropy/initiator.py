@@ -33,6 +33,7 @@ from geolimit.replication.antientropy.common import (
     MAX_READ_KEYS,
     MAX_REPLY_BYTES,
     MAX_RULES,
+    MAX_SETTLE_US,
     TOTAL_LEAVES,
     XID_BYTES,
     AntiEntropyResult,
@@ -137,11 +138,14 @@ class AntiEntropy(_Responder):
 
     # -- initiator ------------------------------------------------------------
 
-    async def run(self, peer: str) -> AntiEntropyResult:
-        """One full exchange with ``peer``; raises TransportError, ProtocolError or StorageError."""
+    async def run(self, peer: str, settle: float = 0.0) -> AntiEntropyResult:
+        """One full exchange with ``peer``; raises TransportError, ProtocolError or StorageError.
+
+        ``settle`` (seconds): compare only buckets that ended at least that long ago
+        (periodic exchanges; 0 compares up to the future tolerance)."""
         started = time.monotonic()
         deadline = started + self.max_seconds
-        result = AntiEntropyResult(peer)
+        result = AntiEntropyResult(peer, settle=settle)
         self.stats["runs"] += 1
         xid = os.urandom(XID_BYTES)
         now_us = int(self.clock() * 1_000_000)
@@ -152,13 +156,16 @@ class AntiEntropy(_Responder):
             "op": "begin", "x": xid, "now": now_us, "shards": self.layout.shards, "leaves": leaves,
             "rules": [[n, r.window_us, r.resolution_us] for n, r in rules.items()],
         }
+        settle_us = min(MAX_SETTLE_US, int(settle * 1_000_000))
+        if settle_us:
+            request["settle"] = settle_us
         reply = await self._ask(peer, request, result)
         if reply.get("x") != xid:
             raise ProtocolError("anti-entropy: begin reply names another exchange")
         accepted = _list(reply, "rules", MAX_RULES)
         if any(type(n) is not str or n not in rules for n in accepted):
             raise ProtocolError("anti-entropy: the peer accepted rules we did not offer")
-        plan = _Plan(now_us, {n: rules[n] for n in accepted}, leaves, self.layout.shards)
+        plan = _Plan(now_us, {n: rules[n] for n in accepted}, leaves, self.layout.shards, settle_us)
         result.rules = sorted(plan.rules)
         try:
             async with self._scans:

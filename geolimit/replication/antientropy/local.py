@@ -265,7 +265,7 @@ class _Local:
         nslots = max(1, int(codes[0]))
         chunk = max(1, BIG_FIELDS // (2 * nslots))
         head = [b"2", self.layout.registry_key(shard), key, b"%d" % plan.now_us,
-                b"%d" % rule.resolution_us, b"%d" % rule.buckets, b"%d" % rule.ring, b"%d" % rule.future]
+                b"%d" % rule.resolution_us, b"%d" % rule.buckets, b"%d" % rule.ring, b"%d" % plan.future(rule)]
         s1 = s2 = cells = 0
         for p0 in range(0, rule.ring, chunk):
             p1 = min(rule.ring, p0 + chunk)

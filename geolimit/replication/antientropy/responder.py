@@ -32,6 +32,7 @@ from geolimit.replication.antientropy.common import (
     MAX_READ_BYTES,
     MAX_READ_KEYS,
     MAX_RULES,
+    MAX_SETTLE_US,
     MAX_SKEW_US,
     MAX_TOTAL_LEAVES,
     XID_BYTES,
@@ -157,7 +158,8 @@ class _Responder:
             self._exchanges.pop(oldest.xid, None)
         if len(self._exchanges) >= MAX_EXCHANGES:
             raise ProtocolError("anti-entropy: too many exchanges under way; try later")
-        plan = _Plan(now, accepted, leaves, shards)
+        settle = _int(payload, "settle", 0, MAX_SETTLE_US) if "settle" in payload else 0
+        plan = _Plan(now, accepted, leaves, shards, settle)
         reply = {"x": xid, "rules": list(accepted)}
         ex = _Exchange(xid, peer, plan, time.monotonic(), reply)
         ex.digest_task = asyncio.ensure_future(self._serve_digests(ex))
