@@ -687,17 +687,18 @@ return out
 """
 
 
-async def cell_totals(client: redis.asyncio.Redis, keys: Sequence[bytes]) -> list[int | None]:
-    """Every key's summed cell counts (None where it has reset floors: use ``read_usages``).
+_TOTALS_AT = _TOTALS.replace("return out", "local t = redis.call('TIME')\nreturn {out, t}")
 
-    With no resets and a window that covers every bucket written, this is the key's
-    global usage; one script call per 1000 keys keeps a sweep cheap on both sides.
-    """
-    out: list[int | None] = []
-    for lo in range(0, len(keys), 1000):
-        reply = await client.eval(_TOTALS, len(keys[lo:lo + 1000]), *keys[lo:lo + 1000])
-        out += [int(total) if not floors else None for total, floors in reply]
-    return out
+
+async def cell_totals_at(client: redis.asyncio.Redis, keys: Sequence[bytes]) -> tuple[list[int | None], float]:
+    """Every key's summed cell counts (None where it has reset floors: use ``read_usages``)
+    of at most 1000 keys, and the server's clock (``time.time()`` seconds) when it read
+    them: the state was exactly this at that instant. With no resets and a window that
+    covers every bucket written, a key's total is its global usage."""
+    if len(keys) > 1000:
+        raise ValueError("at most 1000 keys per call")
+    out, at = await client.eval(_TOTALS_AT, len(keys), *keys)
+    return [int(total) if not floors else None for total, floors in out], int(at[0]) + int(at[1]) / 1e6
 
 
 def proc_cpu_seconds(pid: int) -> float | None:

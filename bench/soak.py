@@ -44,7 +44,7 @@ from _common import (
     agent_toml_rule,
     busy_seconds,
     call_latency,
-    cell_totals,
+    cell_totals_at,
     cpu_per_decision,
     cpus_busy,
     failures,
@@ -172,8 +172,8 @@ async def probe(limiters: dict[str, AsyncLimiter], rule: Rule, stop_at: float, o
 
 async def converge(clients: dict[str, redis.asyncio.Redis], rule: Rule, results: list[LoadResult],
                    n: int, t_stop: float) -> dict[str, Any]:
-    """Sweep the sample (every region's cell totals, all chunks of 1000 read at once)
-    until each subject is exact; then check it all once more through the limiter's usage
+    """Sweep the sample (every region's cell totals, all chunks of 1000 read at once,
+    each stamped with when its Redis read it) until each subject is exact; then check it all once more through the limiter's usage
     reading, by region. A region's view of a slot never exceeds the truth, so an exact
     total means every slot is exact. A subject hit by a call that failed (a client
     timeout: Redis may still have run it) is exact when every region reads the
@@ -198,16 +198,21 @@ async def converge(clients: dict[str, redis.asyncio.Redis], rule: Rule, results:
         # (read one after another, 16 chunks took 2.9 s with nothing ever inexact).
         keys = [LAYOUT.data_key(rule.name, soak_subject(i)) for i in pending]
         chunks = [keys[lo:lo + 1000] for lo in range(0, len(keys), 1000)]
-        replies = await asyncio.gather(*(cell_totals(clients[r], c) for r in REGIONS for c in chunks))
-        at = time.monotonic() - t_stop
-        views = [[t for part in replies[k * len(chunks):(k + 1) * len(chunks)] for t in part]
+        # Each read is stamped with the time its Redis ran it (the state was exactly that
+        # then): a reply that waits behind the agents' flush does not count as convergence time.
+        replies = await asyncio.gather(*(cell_totals_at(clients[r], c) for r in REGIONS for c in chunks))
+        wall_to_mono = time.monotonic() - time.time()
+        views = [[t for part, _ in replies[k * len(chunks):(k + 1) * len(chunks)] for t in part]
                  for k in range(len(REGIONS))]
+        read_at = [[max(0.0, at + wall_to_mono - t_stop) for _, at in replies[k * len(chunks):(k + 1) * len(chunks)]]
+                   for k in range(len(REGIONS))]
         left = []
         for j, i in enumerate(pending):
+            at = max(row[j // 1000] for row in read_at)  # the latest of the regions' reads of it
             if exact(i, [v[j] for v in views]):
                 first_exact = max(first_exact, at)
             else:
-                last_inexact = at
+                last_inexact = max(last_inexact, at)
                 left.append(i)
         pending = left
         sweeps.append({"at": time.monotonic() - t_stop, "inexact": len(pending)})

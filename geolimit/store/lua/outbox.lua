@@ -86,7 +86,7 @@ end
 
 -- The entries of in-flight hash `flight`, as {key, entry, ...}. pack.lua writes
 -- one field per call, '#<n>' -> msgpack {key, entry, ...}; any other field is a
--- single entry (key -> entry, the layout of earlier versions).
+-- single entry (key -> entry: a whole outbox that pack.lua moved in by RENAME).
 local function in_flight(flight)
   local flat = call('HGETALL', flight)
   local out = {}
