@@ -192,6 +192,7 @@ async def converge(clients: dict[str, redis.asyncio.Redis], rule: Rule, results:
 
     last_inexact, first_exact = 0.0, 0.0
     pending, sweeps = ids, []
+    began = time.monotonic() - t_stop  # the bench's own delay: nothing can be judged earlier
     while pending and time.monotonic() - t_stop < CONVERGE_WAIT:
         # One sweep reads every chunk of every region at once: a sweep then takes one
         # round of the servers' work, not one client round trip per chunk in turn
@@ -230,7 +231,7 @@ async def converge(clients: dict[str, redis.asyncio.Redis], rule: Rule, results:
     return {"sampled": len(ids), "random": len(chosen), "tail": len(tail), "exact": len(ids) - len(wrong),
             "uncertain": sum(1 for i in ids if slack[i]),
             "checked_at": time.monotonic() - t_stop, "converged_s": None if pending else first_exact,
-            "last_inexact_s": last_inexact, "sweeps": sweeps, "first_inexact": wrong[0] if wrong else None}
+            "last_inexact_s": last_inexact, "sweeps": sweeps, "reads_began_s": began, "first_inexact": wrong[0] if wrong else None}
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -416,7 +417,8 @@ def report(r: dict[str, Any]) -> None:
         f"{k} {v['ok']}{' +1 running' if v['running'] else ''} ({v['seconds']} s / {v['keys_scanned']})" for k, v in r["anti_entropy"].items()))
     cv = r["convergence"]
     when = (f"not within {CONVERGE_WAIT:g} s" if cv["converged_s"] is None else
-            f"within {cv['converged_s']:.2f} s (last seen inexact at {cv['last_inexact_s']:.2f} s)")
+            f"within {cv['converged_s']:.2f} s (last seen inexact at {cv['last_inexact_s']:.2f} s;"
+            f" the first reads began {cv['reads_began_s']:.2f} s after the stop)")
     print(f"convergence   {cv['sampled']} sampled subjects ({cv['random']} random + {cv['tail']} hit in the last {LoadSpec.tail_seconds:g} s)"
           f" exact in every region {when} after the load stopped ({cv.get('uncertain', 0)} hit by calls that timed out:"
           f" equal everywhere and within their uncertain hits); sweeps: "
