@@ -166,6 +166,21 @@ class Cluster:
             self.agents.append(spawn_agent(name, config, ports[name], skew.get(name)))
         await wait_agents_ready(self.agents, 60.0)
         await asyncio.sleep(3 * s.interval)  # a few gossip rounds with every peer
+        if self.escrow:
+            await self._escrow_released(60.0)
+
+    async def _escrow_released(self, seconds: float) -> None:
+        """Until no agent holds escrow state: a new Redis denies escrow rules until its
+        agent has pulled every peer (one send timeout plus a pull), as in a deployment."""
+        deadline = time.monotonic() + seconds
+        while True:
+            views = (await statuses(self.agents)).values()
+            escrow = [v.get("escrow") or {} for v in views]
+            if all(e.get("stats", {}).get("rounds", 0) >= 2 and e.get("held_shards") == 0 for e in escrow):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"escrow state still held after {seconds:.0f} s: {escrow}")
+            await asyncio.sleep(0.2)
 
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.gather(*(asyncio.to_thread(stop_process, a.proc, 10.0) for a in self.agents))
