@@ -8,27 +8,23 @@ with the request's sequence number.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import ssl
 from typing import Protocol
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 
 from geolimit.errors import (
     AuthenticationError,
-    PeerRefused,
     ProtocolError,
     StorageError,
-    TransportError,
 )
 from geolimit.replication import escrow_wire
 from geolimit.replication.auth import SEQ, Signer, Verifier
 from geolimit.replication.escrow import EscrowReplicator
 from geolimit.replication.escrow_wire import ESCROW_PATH, EscrowMessage
-from geolimit.replication.transport import CONTENT_TYPE, read_limited
+from geolimit.replication.transport import CONTENT_TYPE, post_signed, read_limited
 
 __all__ = ["EscrowHttpTransport", "add_escrow_routes"]
 
@@ -53,25 +49,12 @@ class EscrowHttpTransport:
 
     async def send(self, peer: str, message: EscrowMessage) -> EscrowMessage:
         body = escrow_wire.encode(message)
-        headers = self._signer.headers(body, peer)
-        headers["Content-Type"] = CONTENT_TYPE
-        seq = int(headers[SEQ])
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(
                 ssl=self._ssl if self._ssl is not None else True))
-        try:
-            async with self._session.post(self._urls[peer], data=body, headers=headers) as resp:
-                payload = await read_limited(resp.content, self._max_response)
-                if payload is None:
-                    raise TransportError(f"{peer} sent an escrow answer over {self._max_response} bytes")
-                if resp.status != 200:
-                    detail = payload[:200].decode("utf-8", "replace")
-                    if resp.status == 400:
-                        raise PeerRefused(f"{peer} refused the escrow message: {detail}", resp.status)
-                    raise TransportError(f"{peer} answered HTTP {resp.status}: {detail}")
-                reply_headers = CIMultiDict(resp.headers)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise TransportError(f"{peer} unreachable: {type(exc).__name__}: {exc}") from exc
+        payload, reply_headers, seq = await post_signed(
+            self._session, self._urls[peer], peer, body, self._signer, self._max_response,
+            answer="an escrow answer", message="the escrow message")
         self._verifier.verify_response(reply_headers, payload, expect_seq=seq, sender=peer)
         reply = escrow_wire.decode(payload)
         if reply.sender != peer or reply.kind not in ("ack", "page"):

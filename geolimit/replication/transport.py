@@ -18,7 +18,7 @@ from geolimit.errors import PeerRefused, ProtocolError, TransportError
 from geolimit.replication import wire
 from geolimit.replication.auth import SEQ, Signer, Verifier
 
-__all__ = ["HttpTransport", "PeerRefused", "Transport", "TransportError", "read_limited"]
+__all__ = ["HttpTransport", "PeerRefused", "Transport", "TransportError", "post_signed", "read_limited"]
 
 GOSSIP_PATH = "/v1/gossip"
 CONTENT_TYPE = "application/msgpack"
@@ -40,6 +40,31 @@ async def read_limited(stream: aiohttp.StreamReader, limit: int) -> bytes | None
         if size > limit:
             return None
         chunks.append(chunk)
+
+
+async def post_signed(
+    session: aiohttp.ClientSession, url: str, peer: str, body: bytes, signer: Signer, max_response: int,
+    answer: str = "a response", message: str = "the message",
+) -> tuple[bytes, CIMultiDict[str], int]:
+    """POST ``body`` signed for ``peer``: the answer's body and headers and the request's
+    sequence number (for ``Verifier.verify_response``). Raises TransportError (unreachable,
+    an answer over ``max_response`` bytes, a status other than 200 and 400) or PeerRefused (400)."""
+    headers = signer.headers(body, peer)
+    headers["Content-Type"] = CONTENT_TYPE
+    seq = int(headers[SEQ])
+    try:
+        async with session.post(url, data=body, headers=headers) as resp:
+            payload = await read_limited(resp.content, max_response)
+            if payload is None:
+                raise TransportError(f"{peer} sent {answer} over {max_response} bytes")
+            if resp.status != 200:
+                detail = payload[:200].decode("utf-8", "replace")
+                if resp.status == 400:
+                    raise PeerRefused(f"{peer} refused {message}: {detail}", resp.status)
+                raise TransportError(f"{peer} answered HTTP {resp.status}: {detail}")
+            return payload, CIMultiDict(resp.headers), seq
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        raise TransportError(f"{peer} unreachable: {type(exc).__name__}: {exc}") from exc
 
 
 class Transport(Protocol):
@@ -100,22 +125,8 @@ class HttpTransport:
 
     async def send(self, peer: str, message: wire.Message) -> wire.Message:
         body = wire.encode(message)
-        headers = self._signer.headers(body, peer)
-        headers["Content-Type"] = CONTENT_TYPE
-        seq = int(headers[SEQ])
-        try:
-            async with self._client(message.kind == "ae").post(self._urls[peer], data=body, headers=headers) as resp:
-                payload = await read_limited(resp.content, self._max_response)
-                if payload is None:
-                    raise TransportError(f"{peer} sent a response over {self._max_response} bytes")
-                if resp.status != 200:
-                    detail = payload[:200].decode("utf-8", "replace")
-                    if resp.status == 400:
-                        raise PeerRefused(f"{peer} refused the message: {detail}", resp.status)
-                    raise TransportError(f"{peer} answered HTTP {resp.status}: {detail}")
-                reply_headers = CIMultiDict(resp.headers)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise TransportError(f"{peer} unreachable: {type(exc).__name__}: {exc}") from exc
+        payload, reply_headers, seq = await post_signed(
+            self._client(message.kind == "ae"), self._urls[peer], peer, body, self._signer, self._max_response)
         self.bytes_sent[peer] = self.bytes_sent.get(peer, 0) + len(body)
         self._verifier.verify_response(reply_headers, payload, expect_seq=seq, sender=peer)
         reply = wire.decode(payload)
