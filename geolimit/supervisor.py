@@ -131,6 +131,27 @@ class Supervisor:
         await self._gave_up.wait()
         return 1
 
+    async def serve(self, stop: asyncio.Event) -> int:
+        """Start the workers and keep them until ``stop`` is set or the supervisor gives up
+        on a crashing worker; then stop them all. The process's exit code."""
+        try:
+            await self.start()
+        except OSError as exc:
+            log.error("%s: cannot start its workers: %s", self.name, exc)
+            await self.stop()
+            return 1
+        gave_up = asyncio.ensure_future(self.wait())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({gave_up, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        failed = gave_up.done()
+        for task in (gave_up, stopper):
+            task.cancel()
+        await asyncio.gather(gave_up, stopper, return_exceptions=True)
+        if not failed:
+            log.info("%s: stopping %d workers", self.name, self.workers)
+        code = await self.stop()
+        return 1 if failed else code
+
     def reload(self) -> None:
         """Forward SIGHUP: every worker re-reads the config (and keeps it if invalid)."""
         for worker in self._workers:

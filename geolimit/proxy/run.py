@@ -85,23 +85,7 @@ async def _serve_workers(config: ProxyConfig, path: str, pinned: bool) -> int:
                             config.workers, workers)
 
     with process_signals(hangup) as stop:
-        try:
-            await supervisor.start()
-        except OSError as exc:
-            log.error("proxy: cannot start its workers: %s", exc)
-            await supervisor.stop()
-            return 1
-        gave_up = asyncio.ensure_future(supervisor.wait())
-        stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({gave_up, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        failed = gave_up.done()
-        for task in (gave_up, stopper):
-            task.cancel()
-        await asyncio.gather(gave_up, stopper, return_exceptions=True)
-        if not failed:
-            log.info("proxy: stopping %d workers", config.workers)
-        code = await supervisor.stop()
-        return 1 if failed else code
+        return await supervisor.serve(stop)
 
 
 def run_proxy(config_path: str, workers: int | None = None, worker_index: int | None = None) -> int:

@@ -83,23 +83,7 @@ async def _serve_workers(config: AgentConfig, flush_timeout: float, path: str, p
                             config.region, config.workers, workers)
 
     with process_signals(hangup) as stop:
-        try:
-            await supervisor.start()
-        except OSError as exc:
-            log.error("agent %s: cannot start its workers: %s", config.region, exc)
-            await supervisor.stop()
-            return 1
-        gave_up = asyncio.ensure_future(supervisor.wait())
-        stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({gave_up, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        failed = gave_up.done()
-        for task in (gave_up, stopper):
-            task.cancel()
-        await asyncio.gather(gave_up, stopper, return_exceptions=True)
-        if not failed:
-            log.info("agent %s: stopping %d workers", config.region, config.workers)
-        code = await supervisor.stop()
-        return 1 if failed else code
+        return await supervisor.serve(stop)
 
 
 async def _supervise(agent: Agent, config: AgentConfig, stop: asyncio.Event, flush_timeout: float) -> int:
