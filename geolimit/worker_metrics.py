@@ -45,7 +45,7 @@ from typing import Literal
 
 from prometheus_client import generate_latest
 from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 __all__ = ["METRICS_DIR_ENV", "Family", "GaugeMode", "Sample", "SharedMetrics", "Snapshot", "mark_dead", "merge",
            "shared_metrics_dir"]
@@ -189,6 +189,20 @@ class SharedMetrics:
         self.file = f"{os.getpid()}-{secrets.token_hex(4)}.json"  # a reused pid gets its own file
         self._task: asyncio.Task[None] | None = None
         self._failing = False
+
+    @classmethod
+    def for_worker(cls, registry: CollectorRegistry, worker: int, workers: int, *,
+                   gauges: Mapping[str, GaugeMode] | None = None, ages: Collection[str] = (),
+                   clock: Callable[[], float] = time.time) -> SharedMetrics | None:
+        """Worker ``worker`` of ``workers``: labels ``registry``'s target_info with both and
+        shares it in the supervisor's directory; None for a single process (nothing shared)."""
+        if workers <= 1:
+            return None
+        registry.set_target_info({"worker": str(worker), "workers": str(workers)})
+        directory = shared_metrics_dir()
+        if directory is None:  # set by the supervisor
+            return None
+        return cls(registry, directory, gauges=gauges, ages=ages, clock=clock)
 
     def start(self) -> None:
         if self._task is None:

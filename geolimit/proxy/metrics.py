@@ -33,7 +33,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from geolimit.worker_metrics import SharedMetrics, shared_metrics_dir
+from geolimit.worker_metrics import SharedMetrics
 
 __all__ = ["CONTENT_TYPE", "ProxyMetrics"]
 
@@ -61,12 +61,7 @@ class ProxyMetrics(Collector):
         self.in_flight = 0
         self.registry = CollectorRegistry()
         self.registry.register(self)
-        self.shared: SharedMetrics | None = None
-        if workers > 1:
-            self.registry.set_target_info({"worker": str(worker), "workers": str(workers)})
-            directory = shared_metrics_dir()
-            if directory is not None:  # set by the supervisor
-                self.shared = SharedMetrics(self.registry, directory)
+        self.shared = SharedMetrics.for_worker(self.registry, worker, workers)
 
     def start(self) -> None:
         """Begin sharing with the other workers (if any)."""

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from geolimit.replication.gossip import GossipEngine
-from geolimit.worker_metrics import GaugeMode, SharedMetrics, shared_metrics_dir
+from geolimit.worker_metrics import GaugeMode, SharedMetrics
 
 __all__ = ["CONTENT_TYPE", "AgentMetrics"]
 
@@ -95,13 +95,8 @@ class AgentMetrics:
         )
         self.rejected = Counter("geolimit_gossip_rejected", "Gossip requests refused, by reason", ["reason"], registry=self.registry)
         self.registry.register(_EngineCollector(engine, clock))
-        self.shared: SharedMetrics | None = None
-        if workers > 1:
-            self.registry.set_target_info({"worker": str(worker), "workers": str(workers)})
-            directory = shared_metrics_dir()
-            if directory is not None:  # set by the supervisor
-                self.shared = SharedMetrics(self.registry, directory, gauges=WORKER_GAUGES, ages=AGE_GAUGES,
-                                            clock=clock)
+        self.shared = SharedMetrics.for_worker(self.registry, worker, workers, gauges=WORKER_GAUGES, ages=AGE_GAUGES,
+                                               clock=clock)
 
     def start(self) -> None:
         """Begin sharing with the other workers (if any)."""
