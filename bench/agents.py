@@ -68,7 +68,7 @@ from geolimit.sim.accuracy import (
     run_scenario,
 )
 from geolimit.sim.oracle import Request, measure
-from geolimit.sim.report import INSUFFICIENT, MISS, PASS, pct
+from geolimit.sim.report import INSUFFICIENT, MISS, PASS, outcome_rows, pct
 from geolimit.store.embedded import EmbeddedRedis
 from geolimit.toml_config import parse_rules
 
@@ -336,16 +336,7 @@ def targets(outcomes: Sequence[Outcome]) -> list[tuple[str, str, str, str, str, 
 
 
 def format_report(outcomes: Sequence[Outcome]) -> str:
-    head = (f"{'scenario':16} {'variant':13} {'max over':>9} {'mean over':>9} {'under-use':>9} "
-            f"{'wrongly allowed':>15} {'wrongly denied':>14} {'admitted':>8}  per region")
-    lines = [head, "-" * len(head)]
-    for o in outcomes:
-        a = o.accuracy
-        regions = " ".join(f"{r}={n}" for r, n in sorted(a.admitted_by_region.items()))
-        flag = "  (INSUFFICIENT)" if o.insufficient else ""
-        lines.append(f"{o.scenario.name:16} {o.variant:13} {pct(a.max_over_pct):>9} {pct(a.mean_over_pct):>9} "
-                     f"{pct(a.under_use_pct):>9} {pct(a.wrongly_allowed_pct):>15} {pct(a.wrongly_denied_pct):>14} "
-                     f"{a.admitted:8}  {regions}{flag}")
+    lines = outcome_rows(outcomes, scenario_width=16, variant_width=13)
     lines.append("")
     for o in outcomes:
         if o.variant in BASELINES:

@@ -16,7 +16,7 @@ from geolimit.errors import GeolimitError
 from geolimit.sim.accuracy import SCENARIOS, VARIANTS, Outcome, run_suite
 from geolimit.store.embedded import EmbeddedRedis
 
-__all__ = ["format_table", "pct", "run_accuracy_bench", "targets"]
+__all__ = ["format_table", "outcome_rows", "pct", "run_accuracy_bench", "targets"]
 
 PASS, MISS, INSUFFICIENT = "PASS", "MISS", "INSUFFICIENT"
 
@@ -83,8 +83,10 @@ def targets(outcomes: Sequence[Outcome]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def format_table(outcomes: Sequence[Outcome]) -> str:
-    head = (f"{'scenario':18} {'variant':15} {'max over':>9} {'mean over':>9} {'under-use':>9} "
+def outcome_rows(outcomes: Sequence[Outcome], scenario_width: int = 18, variant_width: int = 15) -> list[str]:
+    """The header, a rule and one line per outcome: its accuracy figures and admissions by region."""
+    sw, vw = scenario_width, variant_width
+    head = (f"{'scenario':{sw}} {'variant':{vw}} {'max over':>9} {'mean over':>9} {'under-use':>9} "
             f"{'wrongly allowed':>15} {'wrongly denied':>14} {'admitted':>8}  per region")
     lines = [head, "-" * len(head)]
     for o in outcomes:
@@ -92,10 +94,15 @@ def format_table(outcomes: Sequence[Outcome]) -> str:
         regions = " ".join(f"{r}={n}" for r, n in sorted(a.admitted_by_region.items()))
         flag = "  (INSUFFICIENT)" if o.insufficient else ""
         lines.append(
-            f"{o.scenario.name:18} {o.variant:15} {pct(a.max_over_pct):>9} {pct(a.mean_over_pct):>9} "
+            f"{o.scenario.name:{sw}} {o.variant:{vw}} {pct(a.max_over_pct):>9} {pct(a.mean_over_pct):>9} "
             f"{pct(a.under_use_pct):>9} {pct(a.wrongly_allowed_pct):>15} {pct(a.wrongly_denied_pct):>14} "
             f"{a.admitted:8}  {regions}{flag}"
         )
+    return lines
+
+
+def format_table(outcomes: Sequence[Outcome]) -> str:
+    lines = outcome_rows(outcomes)
     short = {o.scenario.name: o.insufficient for o in outcomes if o.insufficient}
     if short:
         lines.append("")
