@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = [
-    "LOG_KEYS", "check_keys", "get_table", "load_toml", "parse_listen", "parse_log", "parse_positive_int",
+    "LOG_KEYS", "MAX_WORKERS", "check_keys", "check_workers", "get_table", "load_toml", "parse_listen", "parse_log", "parse_positive_int",
     "parse_redis_url", "parse_region", "parse_rule_groups", "parse_rules", "parse_seconds", "read_secret",
     "read_token", "require", "resolve_path",
 ]
@@ -114,6 +114,23 @@ def parse_positive_int(value: object, src: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{src}: {where} must be a positive integer, got {value!r}")
     return value
+
+
+#: The most worker processes of one agent or proxy (``workers``, ``--workers``).
+MAX_WORKERS = 64
+
+
+def check_workers(workers: object, where: str, listens: Iterable[tuple[str, tuple[str, int] | None]]) -> int:
+    """A worker count from 1 to :data:`MAX_WORKERS` (``where`` names the setting in errors).
+    Several workers share the ``listens`` addresses (SO_REUSEPORT), so those need fixed ports."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+        raise ConfigError(f"{where} must be an integer from 1 to {MAX_WORKERS}, got {workers!r}")
+    if workers > 1:
+        for key, address in listens:
+            if address is not None and address[1] == 0:
+                raise ConfigError(f"{where} = {workers} needs a fixed port in {key}: the workers share it "
+                                  f"(SO_REUSEPORT), and with port 0 each would get a port of its own")
+    return workers
 
 
 def parse_region(table: Mapping[str, Any], key: str, src: str, where: str) -> str:

@@ -53,9 +53,10 @@ from geolimit.core.rule import Rule
 from geolimit.errors import ConfigError
 from geolimit.http.guard import LimitSpec, RoutePolicy
 from geolimit.http.keys import CostSpec, KeySpec, Route, trusted_networks
-from geolimit.server.config import MAX_WORKERS
 from geolimit.toml_config import (
+    MAX_WORKERS,
     check_keys,
+    check_workers,
     get_table,
     load_toml,
     parse_listen,
@@ -159,14 +160,8 @@ def with_workers(config: ProxyConfig, workers: object, where: str = "--workers")
     From 1 to :data:`MAX_WORKERS`; several workers share the listen addresses
     (SO_REUSEPORT), so those need fixed ports.
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
-        raise ConfigError(f"{where} must be an integer from 1 to {MAX_WORKERS}, got {workers!r}")
-    if workers > 1:
-        for key, address in (("proxy.listen", config.listen), ("proxy.admin_listen", config.admin_listen)):
-            if address is not None and address[1] == 0:
-                raise ConfigError(f"{where} = {workers} needs a fixed port in {key}: the workers share it "
-                                  f"(SO_REUSEPORT), and with port 0 each would get a port of its own")
-    return replace(config, workers=workers)
+    count = check_workers(workers, where, (("proxy.listen", config.listen), ("proxy.admin_listen", config.admin_listen)))
+    return replace(config, workers=count)
 
 
 def _proxy_options(proxy: Mapping[str, Any], src: str) -> dict[str, Any]:

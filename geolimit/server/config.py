@@ -34,7 +34,9 @@ from geolimit.errors import ConfigError
 from geolimit.server.rls.descriptors import RlsConfig
 from geolimit.toml_config import (
     LOG_KEYS,
+    MAX_WORKERS,
     check_keys,
+    check_workers,
     get_table,
     load_toml,
     parse_listen,
@@ -64,8 +66,6 @@ _PEER_KEYS = {"name", "url"}
 _TLS_KEYS = {"cert_file", "key_file", "ca_file", "verify_peers"}
 #: The longest region.redis_timeout accepted, in seconds.
 MAX_REDIS_TIMEOUT = 60.0
-#: The most worker processes per region (region.workers, geolimit agent --workers).
-MAX_WORKERS = 64
 
 
 @dataclass(frozen=True)
@@ -209,18 +209,12 @@ def with_workers(config: AgentConfig, workers: object, where: str = "--workers")
     From 1 to :data:`MAX_WORKERS`, at most one per shard; several workers share the
     listen addresses (SO_REUSEPORT), so those need fixed ports.
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
-        raise ConfigError(f"{where} must be an integer from 1 to {MAX_WORKERS}, got {workers!r}")
-    if workers > config.shards:
-        raise ConfigError(f"{where} = {workers} exceeds region.shards = {config.shards}: every worker owns "
+    count = check_workers(workers, where, (("region.listen", config.listen), ("region.api_listen", config.api_listen),
+                                           ("region.rls_listen", config.rls_listen)))
+    if count > config.shards:
+        raise ConfigError(f"{where} = {count} exceeds region.shards = {config.shards}: every worker owns "
                           f"at least one shard")
-    if workers > 1:
-        for key, address in (("region.listen", config.listen), ("region.api_listen", config.api_listen),
-                             ("region.rls_listen", config.rls_listen)):
-            if address is not None and address[1] == 0:
-                raise ConfigError(f"{where} = {workers} needs a fixed port in {key}: the workers share it "
-                                  f"(SO_REUSEPORT), and with port 0 each would get a port of its own")
-    return replace(config, workers=workers)
+    return replace(config, workers=count)
 
 
 def _parse_rls(region: Mapping[str, Any], src: str, base: Path,
