@@ -7,7 +7,6 @@ refused before anything starts.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -23,6 +22,7 @@ import redis
 
 from tests.proxy.helpers import ProxyProcess, Upstream, dump_toml, proxy_config
 from tests.server.helpers import cli
+from tests.support.cli_process import any_worker_session, stop_all
 from tests.support.regions import eventually
 
 
@@ -38,19 +38,13 @@ async def running() -> AsyncIterator[list[ProxyProcess]]:
     try:
         yield procs
     finally:
-        for proc in procs:
-            if proc.proc.returncode is None:
-                proc.proc.send_signal(signal.SIGTERM)
-                with contextlib.suppress(AssertionError):
-                    await proc.wait(timeout=20)
-            await proc.kill()
+        await stop_all(procs)
 
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     """A new connection per request, so requests land on any worker."""
-    connector = aiohttp.TCPConnector(force_close=True)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as s:
+    async with any_worker_session() as s:
         yield s
 
 

@@ -8,7 +8,6 @@ files only to know that both workers made decisions.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -23,6 +22,7 @@ import pytest
 from geolimit.store.embedded import EmbeddedRedis
 from tests.server.helpers import AgentProcess, cli
 from tests.server.test_workers import alive, get, hit, make_regions, start, statuses
+from tests.support.cli_process import any_worker_session, stop_all
 from tests.support.regions import eventually
 
 Figures = dict[tuple[str, str], float]
@@ -34,19 +34,13 @@ async def procs() -> AsyncIterator[list[AgentProcess]]:
     try:
         yield started
     finally:
-        for proc in started:
-            if proc.proc.returncode is None:
-                proc.proc.send_signal(signal.SIGTERM)
-                with contextlib.suppress(AssertionError):
-                    await proc.wait(timeout=20)
-            await proc.kill()
+        await stop_all(started)
 
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     """A new connection per request, so requests land on any worker."""
-    connector = aiohttp.TCPConnector(force_close=True)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as s:
+    async with any_worker_session() as s:
         yield s
 
 

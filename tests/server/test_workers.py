@@ -8,7 +8,6 @@ them over the workers; ``/v1/status`` and ``/metrics`` say which one answered.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import signal
@@ -27,6 +26,7 @@ from geolimit.replication.auth import SEQ
 from geolimit.server.workers import Supervisor, WorkerSigner, owned_shards
 from geolimit.store.embedded import EmbeddedRedis
 from tests.server.helpers import JSON, AgentProcess, cli, dump_toml, region_config, write_secret
+from tests.support.cli_process import any_worker_session, stop_all
 from tests.support.regions import eventually
 
 RULE = {"name": "api", "limit": "100000/1h", "resolution": "6m"}
@@ -61,19 +61,13 @@ async def running() -> AsyncIterator[list[AgentProcess]]:
     try:
         yield procs
     finally:
-        for proc in procs:
-            if proc.proc.returncode is None:
-                proc.proc.send_signal(signal.SIGTERM)
-                with contextlib.suppress(AssertionError):
-                    await proc.wait(timeout=20)
-            await proc.kill()
+        await stop_all(procs)
 
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     """A new connection per request, so requests land on any worker."""
-    connector = aiohttp.TCPConnector(force_close=True)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as s:
+    async with any_worker_session() as s:
         yield s
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, TypeVar
+
+import aiohttp
 
 P = TypeVar("P", bound="CliProcess")
 
@@ -76,3 +79,21 @@ class CliProcess:
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
+
+
+async def stop_all(procs: list[P], timeout: float = 20.0) -> None:
+    """Teardown: SIGTERM each process still running and give it ``timeout`` seconds to stop
+    (supervisors stop their workers), then kill whatever is left."""
+    for proc in procs:
+        if proc.proc.returncode is None:
+            proc.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(AssertionError):
+                await proc.wait(timeout=timeout)
+        await proc.kill()
+
+
+def any_worker_session() -> aiohttp.ClientSession:
+    """A client that opens a new connection per request, so requests land on any worker
+    sharing a port."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10))
