@@ -780,13 +780,32 @@ class LoadResult:
     error_samples: list[str] = field(default_factory=list)
 
 
+@dataclass
+class LoadWatch:
+    """What the main process sees of the load processes while they run (shared memory)."""
+
+    start_at: float  # time.monotonic() at which they start
+    progress: Any  # Array('q'): decisions and errors of process k at 2k and 2k + 1
+    ended: Any  # Array('d'): process k's last decision (time.monotonic()), 0.0 until its load stopped
+    tails: Any  # Array('i'): process k's LoadResult.tail at k * tail_cap (-1 past its end)
+    tail_cap: int
+
+    async def stopped(self) -> tuple[float, list[int]]:
+        """Once every load process has made its last decision (before it sends its result,
+        which takes a while): the latest last decision and the subjects they hit last."""
+        while not all(self.ended):  # noqa: ASYNC110 (shared memory of other processes: nothing to wait on)
+            await asyncio.sleep(0.005)
+        return max(self.ended), [i for i in self.tails if i >= 0]
+
+
 def load_process(k: int, region: str, url: str, spec: LoadSpec, start_at: float, stop_at: float,
-                 progress: Any, conn: Any) -> None:
+                 watch: LoadWatch, conn: Any) -> None:
     """A load process's body: the result goes back through ``conn``; decisions and
-    errors so far are published in ``progress[2k]``, ``progress[2k+1]``."""
+    errors so far are published in ``watch.progress``, and its end in ``watch.ended``
+    and ``watch.tails``."""
     die_with_parent()
     try:
-        conn.send(asyncio.run(_load(k, region, url, spec, start_at, stop_at, progress)))
+        conn.send(asyncio.run(_load(k, region, url, spec, start_at, stop_at, watch)))
     except KeyboardInterrupt:
         pass
     finally:
@@ -794,7 +813,7 @@ def load_process(k: int, region: str, url: str, spec: LoadSpec, start_at: float,
 
 
 async def _load(k: int, region: str, url: str, spec: LoadSpec, start_at: float, stop_at: float,
-                progress: Any) -> LoadResult:
+                watch: LoadWatch) -> LoadResult:
     n, name = spec.subjects, spec.rule.name
     limiter = AsyncLimiter.from_url(url, region=region, rules=[spec.rule], max_batch=spec.batch)
     counts = array("I", bytes(4 * n))
@@ -827,37 +846,42 @@ async def _load(k: int, region: str, url: str, spec: LoadSpec, start_at: float, 
             tail.append((now, ids))
             while tail[0][0] < now - spec.tail_seconds:
                 tail.popleft()
-            progress[2 * k], progress[2 * k + 1] = out.decisions, out.errors
+            watch.progress[2 * k], watch.progress[2 * k + 1] = out.decisions, out.errors
 
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     out.first, cpu = time.monotonic(), time.process_time()
     await asyncio.gather(*(lane() for _ in range(spec.lanes)))
     out.last, out.cpu = time.monotonic(), time.process_time() - cpu
+    out.tail = list(dict.fromkeys(i for _, ids in reversed(tail) for i in ids))[: spec.tail_cap]
+    watch.tails[k * spec.tail_cap : k * spec.tail_cap + len(out.tail)] = out.tail
+    watch.ended[k] = out.last  # after the tail: a reader that sees this sees the tail
     await limiter.aclose()
     out.counts = counts.tobytes()
     out.uncertain = uncertain.tobytes()
-    out.tail = list(dict.fromkeys(i for _, ids in reversed(tail) for i in ids))[: spec.tail_cap]
     return out
 
 
 async def run_load(urls: Mapping[str, str], spec: LoadSpec, seconds: float,
-                   alongside: Callable[[Any, float], Awaitable[None]] | None = None) -> list[LoadResult]:
+                   alongside: Callable[[LoadWatch], Awaitable[None]] | None = None) -> list[LoadResult]:
     """One load process per region for ``seconds`` (they start together about 3 s from now,
-    spawned: no forked event loop); ``alongside(progress, start_at)`` runs meanwhile and is
-    cancelled when the load ends. Every process is gone when this returns or raises."""
+    spawned: no forked event loop); ``alongside(watch)`` runs meanwhile and is cancelled
+    when every result is in. Every process is gone when this returns or raises."""
     ctx = mp.get_context("spawn")
-    progress = ctx.Array("q", 2 * len(urls), lock=False)
     start_at = time.monotonic() + 3.0
+    tails = ctx.Array("i", len(urls) * spec.tail_cap, lock=False)
+    tails[:] = [-1] * len(tails)
+    watch = LoadWatch(start_at, ctx.Array("q", 2 * len(urls), lock=False), ctx.Array("d", len(urls), lock=False),
+                      tails, spec.tail_cap)
     pipes, procs = [], []
     for k, (region, url) in enumerate(urls.items()):
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=load_process, daemon=True,
-                           args=(k, region, url, spec, start_at, start_at + seconds, progress, send))
+                           args=(k, region, url, spec, start_at, start_at + seconds, watch, send))
         proc.start()
         send.close()
         pipes.append(recv)
         procs.append(proc)
-    side = asyncio.ensure_future(alongside(progress, start_at)) if alongside else None
+    side = asyncio.ensure_future(alongside(watch)) if alongside else None
     try:
         return [await asyncio.to_thread(p.recv) for p in pipes]
     finally:

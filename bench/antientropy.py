@@ -49,6 +49,7 @@ from geolimit import Limiter, Rule
 from geolimit.core.keys import KeyLayout
 from geolimit.core.window import read_key
 from geolimit.replication.antientropy import AntiEntropy, AntiEntropyResult
+from geolimit.replication.redis_io import unpack_blob
 from geolimit.store.connect import open_async_store
 from geolimit.store.embedded import EmbeddedRedis
 
@@ -159,8 +160,7 @@ async def naive_merge(client: redis.asyncio.Redis, blobs: list[tuple[int, bytes]
     """Max-merge blob cells (bench helper; the agent uses ReplicationStore.merge_blobs)."""
     rules = {API.name: API}
     for shard, blob in blobs:
-        obj = msgpack.unpackb(blob, raw=True)
-        slots = obj[0]
+        slots, keys = unpack_blob(blob)
         reg = LAYOUT.registry_key(shard)
         known = await client.hgetall(reg)
         index = {}
@@ -170,8 +170,7 @@ async def naive_merge(client: redis.asyncio.Redis, blobs: list[tuple[int, bytes]
                 await client.hset(reg, sid, n)
                 known[sid] = b"%d" % n
             index[sid] = int(known[sid])
-        for i in range(1, len(obj), 2):
-            suffix, cells = obj[i], obj[i + 1]
+        for suffix, cells in keys:
             rule = rules[suffix.partition(b":")[0].decode()]
             key = LAYOUT.tag(shard) + b":" + suffix
             fields = await client.hgetall(key)

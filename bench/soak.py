@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from array import array
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from _common import (
     AgentProcess,
     LoadResult,
     LoadSpec,
+    LoadWatch,
     agent_json,
     agent_toml_rule,
     busy_seconds,
@@ -170,17 +172,74 @@ async def probe(limiters: dict[str, AsyncLimiter], rule: Rule, stop_at: float, o
 # -- convergence after the stop ------------------------------------------------------------
 
 
+class Sweeps:
+    """Sweeps of a sample of subjects: every region's cell totals, all chunks of 1000 read
+    at once, each stamped with when its Redis read it (the state was exactly that then:
+    a reply that waits behind the agents' flush does not count as convergence time).
+
+    Sweeping starts as soon as the load processes have made their last decisions, before
+    their counts are in (sending them takes a while); the sweeps read so far are judged
+    once the counts are known (``judge``)."""
+
+    def __init__(self, clients: dict[str, redis.asyncio.Redis], rule: Rule, ids: set[int], t_stop: float) -> None:
+        self.clients, self.rule, self.t_stop = clients, rule, t_stop
+        self.sample = frozenset(ids)
+        self.pending = set(ids)  # not yet read exact
+        self.unjudged: list[tuple[list[int], list[list[int | None]], list[list[float]]]] = []
+        self.began: float | None = None  # seconds after the stop of the first read
+        self.log: list[dict[str, Any]] = []
+        self.first_exact = self.last_inexact = 0.0
+
+    async def sweep(self) -> None:
+        # One sweep reads every chunk of every region at once: a sweep then takes one
+        # round of the servers' work, not one client round trip per chunk in turn
+        # (read one after another, 16 chunks took 2.9 s with nothing ever inexact).
+        ids = sorted(self.pending)
+        if self.began is None:
+            self.began = time.monotonic() - self.t_stop
+        keys = [LAYOUT.data_key(self.rule.name, soak_subject(i)) for i in ids]
+        chunks = [keys[lo:lo + 1000] for lo in range(0, len(keys), 1000)]
+        replies = await asyncio.gather(*(cell_totals_at(self.clients[r], c) for r in REGIONS for c in chunks))
+        wall_to_mono = time.monotonic() - time.time()
+        views = [[t for part, _ in replies[k * len(chunks):(k + 1) * len(chunks)] for t in part]
+                 for k in range(len(REGIONS))]
+        read_at = [[max(0.0, at + wall_to_mono - self.t_stop) for _, at in replies[k * len(chunks):(k + 1) * len(chunks)]]
+                   for k in range(len(REGIONS))]
+        self.unjudged.append((ids, views, read_at))
+
+    def judge(self, exact: Callable[[int, list[int | None]], bool]) -> None:
+        """Judge the sweeps read so far, in order: a subject leaves the sample once it was
+        read exact in every region; the convergence time is the latest first exact read."""
+        for ids, views, read_at in self.unjudged:
+            for j, i in enumerate(ids):
+                if i not in self.pending:
+                    continue
+                at = max(row[j // 1000] for row in read_at)  # the latest of the regions' reads of it
+                if exact(i, [v[j] for v in views]):
+                    self.first_exact = max(self.first_exact, at)
+                    self.pending.discard(i)
+                else:
+                    self.last_inexact = max(self.last_inexact, at)
+            self.log.append({"at": max(max(row) for row in read_at), "inexact": len(self.pending)})
+        self.unjudged = []
+
+
+def sample_ids(n: int) -> set[int]:
+    """The random part of the sample (the subjects hit last are added to it)."""
+    return set(random.Random(7).sample(range(n), min(SAMPLE, n)))
+
+
 async def converge(clients: dict[str, redis.asyncio.Redis], rule: Rule, results: list[LoadResult],
-                   n: int, t_stop: float) -> dict[str, Any]:
-    """Sweep the sample (every region's cell totals, all chunks of 1000 read at once,
-    each stamped with when its Redis read it) until each subject is exact; then check it all once more through the limiter's usage
-    reading, by region. A region's view of a slot never exceeds the truth, so an exact
-    total means every slot is exact. A subject hit by a call that failed (a client
-    timeout: Redis may still have run it) is exact when every region reads the
-    same total within the recorded hits plus those uncertain ones."""
+                   n: int, t_stop: float, early: Sweeps | None) -> dict[str, Any]:
+    """Judge the sweeps that ``early`` read from the stop on, then sweep until each subject is
+    exact; then check it all once more through the limiter's usage reading, by region. A
+    region's view of a slot never exceeds the truth, so an exact total means every slot is
+    exact. A subject hit by a call that failed (a client timeout: Redis may still have run
+    it) is exact when every region reads the same total within the recorded hits plus
+    those uncertain ones."""
     counts = {r.region: array("I", r.counts) for r in results}
     unsure = {r.region: array("I", r.uncertain) for r in results}
-    chosen = set(random.Random(7).sample(range(n), min(SAMPLE, n)))
+    chosen = sample_ids(n)
     tail = set().union(*(r.tail for r in results)) - chosen
     ids = sorted(chosen | tail)
     want = {i: sum(int(c[i]) for c in counts.values()) for i in ids}
@@ -190,33 +249,11 @@ async def converge(clients: dict[str, redis.asyncio.Redis], rule: Rule, results:
         first = totals[0]
         return first is not None and len(set(totals)) == 1 and want[i] <= first <= want[i] + slack[i]
 
-    last_inexact, first_exact = 0.0, 0.0
-    pending, sweeps = ids, []
-    began = time.monotonic() - t_stop  # the bench's own delay: nothing can be judged earlier
-    while pending and time.monotonic() - t_stop < CONVERGE_WAIT:
-        # One sweep reads every chunk of every region at once: a sweep then takes one
-        # round of the servers' work, not one client round trip per chunk in turn
-        # (read one after another, 16 chunks took 2.9 s with nothing ever inexact).
-        keys = [LAYOUT.data_key(rule.name, soak_subject(i)) for i in pending]
-        chunks = [keys[lo:lo + 1000] for lo in range(0, len(keys), 1000)]
-        # Each read is stamped with the time its Redis ran it (the state was exactly that
-        # then): a reply that waits behind the agents' flush does not count as convergence time.
-        replies = await asyncio.gather(*(cell_totals_at(clients[r], c) for r in REGIONS for c in chunks))
-        wall_to_mono = time.monotonic() - time.time()
-        views = [[t for part, _ in replies[k * len(chunks):(k + 1) * len(chunks)] for t in part]
-                 for k in range(len(REGIONS))]
-        read_at = [[max(0.0, at + wall_to_mono - t_stop) for _, at in replies[k * len(chunks):(k + 1) * len(chunks)]]
-                   for k in range(len(REGIONS))]
-        left = []
-        for j, i in enumerate(pending):
-            at = max(row[j // 1000] for row in read_at)  # the latest of the regions' reads of it
-            if exact(i, [v[j] for v in views]):
-                first_exact = max(first_exact, at)
-            else:
-                last_inexact = max(last_inexact, at)
-                left.append(i)
-        pending = left
-        sweeps.append({"at": time.monotonic() - t_stop, "inexact": len(pending)})
+    sweeps = early if early is not None and early.sample == set(ids) else Sweeps(clients, rule, set(ids), t_stop)
+    sweeps.judge(exact)
+    while sweeps.pending and time.monotonic() - t_stop < CONVERGE_WAIT:
+        await sweeps.sweep()
+        sweeps.judge(exact)
     usages = await asyncio.gather(*(read_usages(clients[r], LAYOUT, rule, [soak_subject(i) for i in ids]) for r in REGIONS))
     wrong = []
     for j, i in enumerate(ids):
@@ -230,8 +267,9 @@ async def converge(clients: dict[str, redis.asyncio.Redis], rule: Rule, results:
                           "seen": {r: u[j].by_region for r, u in zip(REGIONS, usages, strict=True)}})
     return {"sampled": len(ids), "random": len(chosen), "tail": len(tail), "exact": len(ids) - len(wrong),
             "uncertain": sum(1 for i in ids if slack[i]),
-            "checked_at": time.monotonic() - t_stop, "converged_s": None if pending else first_exact,
-            "last_inexact_s": last_inexact, "sweeps": sweeps, "reads_began_s": began, "first_inexact": wrong[0] if wrong else None}
+            "checked_at": time.monotonic() - t_stop, "converged_s": None if sweeps.pending else sweeps.first_exact,
+            "last_inexact_s": sweeps.last_inexact, "sweeps": sweeps.log, "reads_began_s": sweeps.began,
+            "first_inexact": wrong[0] if wrong else None}
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -279,19 +317,33 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             stack.push_async_callback(lim.aclose)
         samples = Samples()
         sampler: list[asyncio.Future[None]] = []
+        early: list[Sweeps] = []
+        results_in = asyncio.Event()
 
-        async def alongside(progress: Progress, start_at: float) -> None:
-            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        async def sweep_from_the_stop(watch: LoadWatch) -> None:
+            t_last, tail = await watch.stopped()
+            sweeps = Sweeps(clients, rule, sample_ids(n) | set(tail), t_last)
+            early.append(sweeps)
+            while not results_in.is_set():
+                await sweeps.sweep()
+
+        async def alongside(watch: LoadWatch) -> None:
+            await asyncio.sleep(max(0.0, watch.start_at - time.monotonic()))
             samples.cpu_start = await cpu_now(clients, agents)
             samples.failures_start = failures(await statuses(agents))
-            sampler.append(asyncio.ensure_future(sample(agents, clients, progress, start_at, start_at + seconds, samples)))
-            await probe(limiters, rule, start_at + seconds, samples)
+            sampler.append(asyncio.ensure_future(
+                sample(agents, clients, watch.progress, watch.start_at, watch.start_at + seconds, samples)))
+            sampler.append(asyncio.ensure_future(sweep_from_the_stop(watch)))
+            await probe(limiters, rule, watch.start_at + seconds, samples)
 
         print(f"soak: {seconds:g} s of load ...", flush=True)
         results = await run_load(urls, spec, seconds, alongside)
+        results_in.set()
+        if len(sampler) > 1:
+            await asyncio.gather(sampler.pop(), return_exceptions=True)  # the sweep in progress ends
         cpu = diff(await cpu_now(clients, agents), samples.cpu_start)
         t_stop, t_start = max(r.last for r in results), min(r.first for r in results)
-        conv = await converge(clients, rule, results, n, t_stop)
+        conv = await converge(clients, rule, results, n, t_stop, early[0] if early else None)
         await asyncio.sleep(2 * STATUS_EVERY)  # a status sample or two after convergence
         for watcher in sampler:
             watcher.cancel()

@@ -1,6 +1,6 @@
 """Checks of a peer's cell blob that need no Redis state. No I/O.
 
-A blob (see :mod:`geolimit.replication.wire`) is ``[slots, suffix, cells, ...]``.
+A blob (see :mod:`geolimit.replication.wire`) is ``[slots, keys, counts, cells]``.
 :func:`vet_blob` runs the same type, size and range checks as ``merge.lua`` with
 the same reasons, using C-level builtins over the flat cell list (about 0.1 µs a
 cell), so the receiver's Redis does not have to unpack and walk every blob twice.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from itertools import chain
 
 import msgpack
 
@@ -64,26 +63,32 @@ def vet_blob(blob: bytes, allowed: Collection[bytes], max_cells: int, max_slots:
         regions.add(region)
     if len(set(slots)) != len(slots):
         raise _refuse("duplicate slot id")
-    if len(t) % 2 != 1:
-        raise _refuse("blob has a key without cells")
-    total = 0
-    lists = t[2::2]
-    for suffix, cells in zip(t[1::2], lists, strict=True):
-        if type(suffix) is not bytes or not 3 <= len(suffix) <= MAX_SUFFIX:
+    if len(t) != 4 or type(t[1]) is not list or type(t[2]) is not list or type(t[3]) is not list:
+        raise _refuse("blob is not [slots, keys, counts, cells]")
+    keys: list[object] = t[1]
+    counts: list[object] = t[2]
+    flat: list[object] = t[3]
+    if len(counts) != len(keys):
+        raise _refuse("key and count lists differ in length")
+    if keys:
+        if not set(map(type, keys)) <= {bytes}:
             raise _refuse("bad key")
-        if type(cells) is not list:
-            raise _refuse("bad cell list")
-        if len(cells) % 4:
-            raise _refuse("cells are not bucket, slot, value, floor quadruples")
-        total += len(cells) >> 2
-        if total > max_cells:
-            raise _refuse("too many cells in one blob")
-    flat = list(chain.from_iterable(lists))
+        sizes = list(map(len, keys))  # type: ignore[arg-type]
+        if min(sizes) < 3 or max(sizes) > MAX_SUFFIX:
+            raise _refuse("bad key")
+        # bool is not int here (type() is exact), as msgpack never decodes one to an int
+        if not set(map(type, counts)) <= {int} or min(counts) < 1:  # type: ignore[type-var]
+            raise _refuse("a cell count is not a positive integer")
+    total: int = sum(counts)  # type: ignore[arg-type]
+    if total > max_cells:
+        raise _refuse("too many cells in one blob")
+    if len(flat) != 4 * total:
+        raise _refuse("the cells do not match the counts")
     if flat:
-        if not set(map(type, flat)) <= {int} or min(flat) < 0:
+        if not set(map(type, flat)) <= {int} or min(flat) < 0:  # type: ignore[type-var]
             raise _refuse("a cell field is not a non-negative integer")
-        if max(flat[1::4]) >= len(slots):
+        if max(flat[1::4]) >= len(slots):  # type: ignore[type-var]
             raise _refuse("slot reference out of range")
-        if max(flat) > MAX_VALUE:
+        if max(flat) > MAX_VALUE:  # type: ignore[type-var]
             raise _refuse("a cell value is out of range")
     return VettedBlob(slots, frozenset(regions), total)

@@ -31,7 +31,7 @@ from geolimit.store.async_store import AsyncStore
 from geolimit.store.redis_store import describe_error
 from geolimit.store.scripts import load_script
 
-__all__ = ["Drained", "Limits", "MergeResult", "Packed", "ReplicationStore", "blobs_from_cells"]
+__all__ = ["Drained", "Limits", "MergeResult", "Packed", "ReplicationStore", "blobs_from_cells", "pack_blob", "unpack_blob"]
 
 _DRAIN = load_script("drain")
 _PACK = load_script("pack")
@@ -287,7 +287,7 @@ class ReplicationStore:
             # registry (merge.lua needs only the slot list for that) and, for a blob
             # with this region's slots, claims on its own current slot (every cell).
             own = self._region_b in vetted.regions
-            checks.append((shard, blob if own else msgpack.packb([vetted.slots], use_bin_type=False)))
+            checks.append((shard, blob if own else pack_blob(vetted.slots, (), (), ())))
         for (shard, _), reply in zip(checks, _checked(await self.store.run_many(_MERGE, calls(b"0", checks))),
                                      strict=True):
             if int(reply[0]) != 1:
@@ -364,32 +364,62 @@ def blobs_from_cells(layout: KeyLayout, cells: Iterable[Cell6], max_cells: int =
         keys.setdefault((rule, subject), []).append((bucket, slot, value, floor))
     out: list[Blob] = []
     for shard, keys in by_shard.items():
-        slots: dict[str, int] = {}
-        body: list[Any] = []
-        count = 0
+        blob = _BlobBuilder()
         for (rule, subject), key_cells in keys.items():
             suffix = rule.encode() + b":" + subject
             for start in range(0, len(key_cells), max_cells):  # a large key spans several blobs
                 chunk = key_cells[start : start + max_cells]
-                if count and count + len(chunk) > max_cells:
-                    out.append((shard, _pack_blob(slots, body)))
-                    slots, body, count = {}, [], 0
-                flat: list[int] = []
-                for bucket, slot, value, floor in chunk:
-                    flat += (bucket, slots.setdefault(slot, len(slots)), value, floor)
-                body += (suffix, flat)
-                count += len(flat) // 4
-                if count >= max_cells:
-                    out.append((shard, _pack_blob(slots, body)))
-                    slots, body, count = {}, [], 0
-        if body:
-            out.append((shard, _pack_blob(slots, body)))
+                if blob.cells and blob.cells + len(chunk) > max_cells:
+                    out.append((shard, blob.pack()))
+                    blob = _BlobBuilder()
+                blob.add(suffix, chunk)
+                if blob.cells >= max_cells:
+                    out.append((shard, blob.pack()))
+                    blob = _BlobBuilder()
+        if blob.cells:
+            out.append((shard, blob.pack()))
     return out
 
 
-def _pack_blob(slots: dict[str, int], body: list[Any]) -> bytes:
-    # Redis's cmsgpack reads only the raw (str) type: no bin.
-    return msgpack.packb([list(slots), *body], use_bin_type=False)  # type: ignore[no-any-return]
+class _BlobBuilder:
+    """One blob: ``[slot ids, keys, cells per key, flat cells]`` (pack.lua's layout)."""
+
+    def __init__(self) -> None:
+        self.slots: dict[str, int] = {}
+        self.keys: list[bytes] = []
+        self.counts: list[int] = []
+        self.flat: list[int] = []
+        self.cells = 0
+
+    def add(self, suffix: bytes, cells: Sequence[tuple[int, str, int, int]]) -> None:
+        for bucket, slot, value, floor in cells:
+            self.flat += (bucket, self.slots.setdefault(slot, len(self.slots)), value, floor)
+        self.keys.append(suffix)
+        self.counts.append(len(cells))
+        self.cells += len(cells)
+
+    def pack(self) -> bytes:
+        return pack_blob(list(self.slots), self.keys, self.counts, self.flat)
+
+
+def pack_blob(slots: Sequence[str | bytes], keys: Sequence[bytes], counts: Sequence[int], cells: Sequence[int]) -> bytes:
+    """A merge blob: ``[slot ids, keys, cells per key, flat cells]``.
+
+    Redis's cmsgpack reads only the raw (str) type: no bin.
+    """
+    return msgpack.packb([list(slots), list(keys), list(counts), list(cells)], use_bin_type=False)  # type: ignore[no-any-return]
+
+
+def unpack_blob(blob: bytes) -> tuple[list[bytes], list[tuple[bytes, list[int]]]]:
+    """A blob's slot ids and its ``(rule:subject, flat cells)`` per key (tests, benches, tools;
+    the agent never decodes a blob's cells in Python). The blob must be well formed."""
+    slots, keys, counts, flat = msgpack.unpackb(blob, raw=True)
+    out: list[tuple[bytes, list[int]]] = []
+    at = 0
+    for suffix, count in zip(keys, counts, strict=True):
+        out.append((suffix, flat[at : at + 4 * count]))
+        at += 4 * count
+    return slots, out
 
 
 def _checked(replies: list[Any]) -> list[Any]:

@@ -2,7 +2,7 @@
 
 A message body is a msgpack map::
 
-    {"v": 2, "t": KIND, "from": REGION, "to": REGION, "now": MICROSECONDS,
+    {"v": 3, "t": KIND, "from": REGION, "to": REGION, "now": MICROSECONDS,
      "reach": {PEER: SECONDS_SINCE_LAST_ACK, ...},
      "failing": [PEER, ...],                      # peers the sender cannot reach right now
      "shards": SHARDS,                            # the sender's shard count (must match)
@@ -12,10 +12,13 @@ A message body is a msgpack map::
 
 KIND is ``delta`` (changed cells), ``ae`` (a step of an anti-entropy exchange) or
 ``ack`` (every response). A BLOB is itself msgpack, built by ``pack.lua`` and read
-by ``merge.lua`` inside Redis: ``[slots, suffix, cells, suffix, cells, ...]`` where
-``suffix`` is ``rule:subject`` and ``cells`` a flat list of ``bucket, slot_ref,
-value, floor``. Python checks the envelope here and moves blobs as opaque bytes;
-``merge.lua`` checks every cell before it writes anything.
+by ``merge.lua`` inside Redis: ``[slots, keys, counts, cells]`` where ``keys`` are
+``rule:subject``, ``counts[i]`` is the number of cells of ``keys[i]``, and ``cells``
+one flat list of ``bucket, slot_ref, value, floor`` in key order (version 2 had a
+cell list per key, which cost Redis's cmsgpack a table per key each way).
+Python checks the envelope here; the receiver checks every cell of a blob
+(``blob_check.py``, and ``merge.lua`` for what needs Redis state) before it
+writes anything.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from geolimit.errors import ProtocolError
 
 __all__ = ["KINDS", "Blob", "Cell6", "Message", "decode", "encode"]
 
-VERSION = 2
+VERSION = 3
 KINDS = ("delta", "ae", "ack")
 MAX_UINT = 2**63 - 1
 MAX_BLOBS = 4096

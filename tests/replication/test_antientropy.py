@@ -33,6 +33,7 @@ from geolimit.replication.antientropy import (
 from geolimit.replication.antientropy import local as ae_local
 from geolimit.replication.antientropy.common import _Plan, leaves_per_shard
 from geolimit.replication.antientropy.local import _Local, _Progress
+from geolimit.replication.redis_io import unpack_blob
 from geolimit.store.async_store import AsyncStore
 from geolimit.store.connect import open_async_store
 from geolimit.store.embedded import EmbeddedRedis
@@ -113,10 +114,9 @@ class Region:
         self.merged.append((peer, len(blobs)))
         for shard, blob in blobs:
             check_blob(blob, shard, self.layout, RULES)
-            obj = msgpack.unpackb(blob, raw=True)
-            slots = [s.decode() for s in obj[0]]
-            for i in range(1, len(obj), 2):
-                suffix, flat = obj[i], obj[i + 1]
+            raw_slots, keys = unpack_blob(blob)
+            slots = [s.decode() for s in raw_slots]
+            for suffix, flat in keys:
                 rule = RULES[suffix.partition(b":")[0].decode()]
                 key = self.layout.tag(shard) + b":" + suffix
                 raw = self.client.hgetall(key)

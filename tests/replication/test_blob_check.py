@@ -27,7 +27,15 @@ ALLOWED = frozenset({b"r", b"p1", b"p2"})
 
 
 def blob(slots: list[object], *rest: object) -> bytes:
-    return msgpack.packb([slots, *rest], use_bin_type=False)  # type: ignore[no-any-return]
+    """A blob of ``slots`` and (key, flat cells) pairs: [slots, keys, counts, cells]."""
+    keys, cells = list(rest[::2]), list(rest[1::2])
+    counts = [len(c) // 4 if isinstance(c, list) else c for c in cells]
+    flat = [x for c in cells if isinstance(c, list) for x in c]
+    return raw([slots, keys, counts, flat])
+
+
+def raw(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=False)  # type: ignore[no-any-return]
 
 
 BAD = {
@@ -38,10 +46,17 @@ BAD = {
     "slot id without incarnation": (blob(["p1/"], b"api:u", [B, 0, 5, 0]), "slot id is not region/incarnation"),
     "unconfigured region": (blob(["mallory/1"], b"api:u", [B, 0, 5, 0]), "slot of a region that is not configured"),
     "duplicate slot id": (blob(["p1/1", "p1/1"], b"api:u", [B, 0, 5, 0]), "duplicate slot id"),
-    "key without cells": (blob(["p1/1"], b"api:u"), "blob has a key without cells"),
+    "v2 layout": (raw([["p1/1"], b"api:u", [B, 0, 5, 0]]), "blob is not [slots, keys, counts, cells]"),
+    "cells not a list": (raw([["p1/1"], [b"api:u"], [1], 5]), "blob is not [slots, keys, counts, cells]"),
+    "counts shorter than keys": (raw([["p1/1"], [b"api:u", b"api:v"], [1], [B, 0, 5, 0]]),
+                                 "key and count lists differ in length"),
     "key not a string": (blob(["p1/1"], 5, [B, 0, 5, 0]), "bad key"),
-    "cells not a list": (blob(["p1/1"], b"api:u", 5), "bad cell list"),
-    "ragged cells": (blob(["p1/1"], b"api:u", [B, 0, 5]), "cells are not bucket, slot, value, floor quadruples"),
+    "short key": (blob(["p1/1"], b"a:", [B, 0, 5, 0]), "bad key"),
+    "zero count": (raw([["p1/1"], [b"api:u"], [0], []]), "a cell count is not a positive integer"),
+    "string count": (raw([["p1/1"], [b"api:u"], ["1"], [B, 0, 5, 0]]), "a cell count is not a positive integer"),
+    "ragged cells": (raw([["p1/1"], [b"api:u"], [1], [B, 0, 5]]), "the cells do not match the counts"),
+    "cells beyond the counts": (raw([["p1/1"], [b"api:u"], [1], [B, 0, 5, 0, B, 0, 5, 0]]),
+                                "the cells do not match the counts"),
     "float bucket": (blob(["p1/1"], b"api:u", [B + 0.5, 0, 5, 0]), "a cell field is not a non-negative integer"),
     "negative value": (blob(["p1/1"], b"api:u", [B, 0, -5, 0]), "a cell field is not a non-negative integer"),
     "string value": (blob(["p1/1"], b"api:u", [B, 0, "5", 0]), "a cell field is not a non-negative integer"),
@@ -49,6 +64,7 @@ BAD = {
     "value 2**62": (blob(["p1/1"], b"api:u", [B, 0, 2**62, 0]), "a cell value is out of range"),
     "floor above 2**53": (blob(["p1/1"], b"api:u", [B, 0, SUBSTEPS, MAX_VALUE + 1]), "a cell value is out of range"),
     "too many cells": (blob(["p1/1"], b"api:u", [B, 0, 5, 0] * 9), "too many cells in one blob"),
+    "a huge count": (raw([["p1/1"], [b"api:u"], [2**40], [B, 0, 5, 0]]), "too many cells in one blob"),
 }
 
 

@@ -13,7 +13,7 @@ from geolimit.core.keys import KeyLayout
 from geolimit.core.window import SUBSTEPS
 from geolimit.replication import wire
 from geolimit.replication.auth import SEQ, SIGNATURE, Signer
-from geolimit.replication.redis_io import blobs_from_cells
+from geolimit.replication.redis_io import blobs_from_cells, pack_blob
 from geolimit.store.embedded import EmbeddedRedis
 from tests.support.regions import Regions, dump_all
 
@@ -33,7 +33,7 @@ async def target(redis_server_factory: Factory) -> AsyncIterator[Regions]:
 def _blob(cells: list[tuple[int, int, int, int]], slots: list[str], subject: bytes = b"victim") -> bytes:
     """A merge blob for one key of rule api, with raw cells (bucket, slot_ref, value, floor)."""
     flat = [x for cell in cells for x in cell]
-    return msgpack.packb([slots, b"api:" + subject, flat], use_bin_type=False)  # type: ignore[no-any-return]
+    return pack_blob(slots, [b"api:" + subject], [len(cells)], flat)
 
 
 def _message(blobs: list[tuple[int, bytes]], sender: str = "a", **changes: object) -> bytes:
@@ -154,9 +154,9 @@ def _malformed(rs: Regions) -> dict[str, bytes]:
         "blob_not_msgpack": _message([(shard, b"\xc1 no")]),
         "slot_ref_out_of_range": cells((bucket, 9, 5, 0)),
         "negative_value": cells((bucket, 0, -5, 0)),
-        "float_bucket": _message(
-            [(shard, msgpack.packb([["a/x1"], b"api:victim", [bucket + 0.5, 0, 5, 0]], use_bin_type=False))]),
-        "ragged_cells": _message([(shard, msgpack.packb([["a/x1"], b"api:victim", [bucket, 0, 5]], use_bin_type=False))]),
+        "float_bucket": _message([(shard, pack_blob(["a/x1"], [b"api:victim"], [1], [bucket + 0.5, 0, 5, 0]))]),
+        "ragged_cells": _message([(shard, pack_blob(["a/x1"], [b"api:victim"], [1], [bucket, 0, 5]))]),
+        "v2_blob": _message([(shard, msgpack.packb([["a/x1"], b"api:victim", [bucket, 0, 5, 0]], use_bin_type=False))]),
         "value_2_62": cells((bucket, 0, 2**62, 0)),
         "floor_2_62": cells((bucket, 0, SUBSTEPS, 2**62)),
         "unconfigured_region_slot": cells((bucket, 0, 5, 0), slots=("mallory/1",)),
@@ -174,7 +174,7 @@ def _malformed(rs: Regions) -> dict[str, bytes]:
 MALFORMED = [
     "not_msgpack", "truncated", "not_a_map", "bad_version", "bad_kind", "sender_mismatch", "addressed_elsewhere",
     "other_shard_count", "blob_not_bytes", "shard_out_of_range", "huge_array_header", "blob_not_msgpack",
-    "slot_ref_out_of_range", "negative_value", "float_bucket", "ragged_cells", "value_2_62", "floor_2_62",
+    "slot_ref_out_of_range", "negative_value", "float_bucket", "ragged_cells", "v2_blob", "value_2_62", "floor_2_62",
     "unconfigured_region_slot", "more_in_receivers_own_slot", "floor_above_receivers_own_count", "duplicate_slot_ids", "too_many_new_slot_ids",
     "one_bad_blob_of_two",
 ]

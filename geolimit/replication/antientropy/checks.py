@@ -86,8 +86,9 @@ def _check_suffix(layout: KeyLayout, rules: Mapping[str, Rule], shard: int, suff
 def check_blob(blob: bytes, shard: int, layout: KeyLayout, rules: Mapping[str, Rule]) -> tuple[int, int]:
     """Check one repair blob of ``shard`` completely; returns ``(keys, cells)``.
 
-    Format: msgpack (str/raw types only, no bin) ``[slot ids, rule:subject, cells,
-    ...]`` where cells is a flat ``bucket, slot_ref, value, floor, ...`` list.
+    Format: msgpack (str/raw types only, no bin) ``[slot ids, keys, counts, cells]``:
+    ``keys`` are ``rule:subject``, ``counts`` the cells of each key, and ``cells`` a
+    flat ``bucket, slot_ref, value, floor, ...`` list in key order.
     Raises :class:`ProtocolError` naming what is wrong.
     """
     if type(blob) is not bytes or len(blob) > MAX_BLOB_BYTES:
@@ -95,12 +96,12 @@ def check_blob(blob: bytes, shard: int, layout: KeyLayout, rules: Mapping[str, R
     try:
         obj = msgpack.unpackb(
             blob, raw=True, use_list=True, max_str_len=MAX_BLOB_BYTES, max_bin_len=0,
-            max_array_len=4 * MAX_BLOB_CELLS + 1, max_map_len=0, max_ext_len=0,
+            max_array_len=4 * MAX_BLOB_CELLS, max_map_len=0, max_ext_len=0,
         )
     except Exception as exc:
         raise ProtocolError(f"anti-entropy: undecodable blob: {exc}") from exc
-    if type(obj) is not list or len(obj) < 3 or len(obj) % 2 != 1:
-        raise ProtocolError("anti-entropy: a blob must be [slots, key, cells, ...]")
+    if type(obj) is not list or len(obj) != 4 or not all(type(part) is list for part in obj):
+        raise ProtocolError("anti-entropy: a blob must be [slots, keys, counts, cells]")
     slots = obj[0]
     if type(slots) is not list or not 0 < len(slots) <= MAX_BLOB_SLOTS:
         raise ProtocolError(f"anti-entropy: a blob needs 1 to {MAX_BLOB_SLOTS} slot ids")
@@ -112,24 +113,27 @@ def check_blob(blob: bytes, shard: int, layout: KeyLayout, rules: Mapping[str, R
             raise ProtocolError(f"anti-entropy: slot id {slot[:80]!r} is not region/incarnation")
     if len(set(slots)) != len(slots):
         raise ProtocolError("anti-entropy: a blob names a slot twice")
-    nslots, total = len(slots), 0
-    for i in range(1, len(obj), 2):
-        suffix, cells = obj[i], obj[i + 1]
+    keys, counts, cells = obj[1], obj[2], obj[3]
+    if not keys or len(keys) != len(counts):
+        raise ProtocolError("anti-entropy: a blob needs keys, each with a cell count")
+    for suffix in keys:
         if type(suffix) is not bytes:
             raise ProtocolError(f"anti-entropy: bad key in blob: {_show(suffix)}")
         _check_suffix(layout, rules, shard, suffix)
-        if type(cells) is not list or not cells or len(cells) % 4:
-            raise ProtocolError("anti-entropy: cells must be a non-empty flat list of 4-tuples")
-        total += len(cells) // 4
-        if total > MAX_BLOB_CELLS:
-            raise ProtocolError(f"anti-entropy: a blob holds more than {MAX_BLOB_CELLS} cells")
-        if not all(type(x) is int for x in cells):
-            raise ProtocolError("anti-entropy: cells must be integers")
-        if min(cells) < 0 or max(cells) >= MAX_VALUE:
-            raise ProtocolError("anti-entropy: cell number out of range [0, 2**53)")
-        if max(cells[1::4]) >= nslots:
-            raise ProtocolError("anti-entropy: cell names a slot the blob does not list")
-    return len(obj) // 2, total
+    if not all(type(n) is int and n > 0 for n in counts):
+        raise ProtocolError("anti-entropy: cell counts must be positive integers")
+    total = sum(counts)
+    if total > MAX_BLOB_CELLS:
+        raise ProtocolError(f"anti-entropy: a blob holds more than {MAX_BLOB_CELLS} cells")
+    if len(cells) != 4 * total:
+        raise ProtocolError("anti-entropy: the cells do not match the cell counts")
+    if not all(type(x) is int for x in cells):
+        raise ProtocolError("anti-entropy: cells must be integers")
+    if min(cells) < 0 or max(cells) >= MAX_VALUE:
+        raise ProtocolError("anti-entropy: cell number out of range [0, 2**53)")
+    if max(cells[1::4]) >= len(slots):
+        raise ProtocolError("anti-entropy: cell names a slot the blob does not list")
+    return len(keys), total
 
 
 def _check_blobs(items: list[Any], layout: KeyLayout, rules: Mapping[str, Rule], max_bytes: int) -> tuple[list[Blob], int]:

@@ -7,8 +7,8 @@
 -- ring positions, one HMGET each, so no call reads much more than max fields.
 -- Reply: {done, position, blobs}: the first `done` keys were read entirely, the
 --   next one up to ring position `position` (0: not at all). A blob is
---   cmsgpack {slot ids, rule:subject, {bucket, slot_ref, value, floor, ...}, ...}
---   with at most max-cells cells; a key may continue in the next blob.
+--   cmsgpack {slot ids, keys, counts, cells} (see pack.lua) with at most
+--   max-cells cells; a key may continue in the next blob.
 local now = tonumber(ARGV[1])
 local pos, budget, big_fields, max_cells = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local reg = call('HGETALL', KEYS[1])
@@ -26,22 +26,20 @@ end
 -- A blob also ends once its subjects pass 256 KiB (2048 keys of 4 KiB subjects
 -- would make one of 8 MiB).
 local blobs = {}
-local parts, slots, refs, part, current, ncells, nbytes
+local slots, refs, keys, counts, flat, current, ncells, nbytes
 local function flush()
-  if parts then blobs[#blobs + 1] = cmsgpack.pack(parts) end
-  parts = nil
+  if slots then blobs[#blobs + 1] = cmsgpack.pack({slots, keys, counts, flat}) end
+  slots = nil
 end
 local function add(suffix, slot, b, v, fl)
-  if parts and (ncells >= max_cells or nbytes >= 262144) then flush() end
-  if not parts then
-    slots, refs, ncells, current, nbytes = {}, {}, 0, nil, 0
-    parts = {slots}
+  if slots and (ncells >= max_cells or nbytes >= 262144) then flush() end
+  if not slots then
+    slots, refs, keys, counts, flat, ncells, current, nbytes = {}, {}, {}, {}, {}, 0, nil, 0
   end
   if current ~= suffix then
-    part = {}
     nbytes = nbytes + #suffix
-    parts[#parts + 1] = suffix
-    parts[#parts + 1] = part
+    keys[#keys + 1] = suffix
+    counts[#keys] = 0
     current = suffix
   end
   local id = ids[slot]
@@ -51,11 +49,12 @@ local function add(suffix, slot, b, v, fl)
     slots[ref + 1] = id
     refs[id] = ref
   end
-  local n = #part
-  part[n + 1] = b
-  part[n + 2] = ref
-  part[n + 3] = v
-  part[n + 4] = fl
+  counts[#keys] = counts[#keys] + 1
+  local n = 4 * ncells
+  flat[n + 1] = b
+  flat[n + 2] = ref
+  flat[n + 3] = v
+  flat[n + 4] = fl
   ncells = ncells + 1
 end
 

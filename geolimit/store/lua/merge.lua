@@ -3,7 +3,9 @@
 -- ARGV: now_us|'', region, nonce, apply, mode ('delta'|'repair'), max_cells,
 --       max_new_slots, max_slots, nregions, regions..., nrules, per rule: name,
 --       res_us, N, M, F, ttl_ms, nrelay, relay peers..., blob
--- The blob is msgpack [slots, suffix, cells, suffix, cells, ...] (see pack.lua).
+-- The blob is msgpack [slots, keys, counts, cells] (see pack.lua): keys[i] is
+-- 'rule:subject', counts[i] its number of cells, and cells is flat bucket,
+-- slot_ref, value, floor in key order.
 -- apply: '0' check only (nothing is written at all), '1' check, then write,
 -- '2' write a blob that a '0' call (same blob and limits) accepted: the
 -- per-cell type and range checks are skipped, the registry and own-slot checks
@@ -43,7 +45,7 @@ local tag = tag_of(reg)
 
 local function refuse(why) return {0, why} end
 
--- fnames[x]: the decimal string of the integer x (field names, heads, values),
+-- fnames[x]: the decimal string of the integer x (field names and heads),
 -- formatted once per call: the cells of a blob share a few of each.
 local fnames = setmetatable({}, {__index = function(cache, x)
   local s = fmt(x)
@@ -83,73 +85,93 @@ local used = tonumber(call('HGET', reg, '#')) or 1
 if used + fresh > max_slots then return refuse("the shard's slot registry is full") end
 
 -- Check every key and cell first.
+local keys, counts, cells = t[2], t[3], t[4]
+if #t ~= 4 or type(keys) ~= 'table' or type(counts) ~= 'table' or type(cells) ~= 'table' then
+  return refuse('blob is not [slots, keys, counts, cells]')
+end
+local n = #keys
+if #counts ~= n then return refuse('key and count lists differ in length') end
 local total, unknown, own_ahead = 0, 0, 0
 local needed = {}  -- slots that cells of known rules use: only those are registered
-local specs = {}  -- blob position of a key -> its rule (false: a rule this region skips)
-local n = #t
-if n % 2 ~= 1 then return refuse('blob has a key without cells') end
-for i = 2, n, 2 do
-  local suffix, cells = t[i], t[i + 1]
-  if type(suffix) ~= 'string' or #suffix < 3 or #suffix > 4200 then return refuse('bad key') end
-  if type(cells) ~= 'table' then return refuse('bad cell list') end
-  local m = #cells
-  if m % 4 ~= 0 then return refuse('cells are not bucket, slot, value, floor quadruples') end
-  total = total + m / 4
-  if total > max_cells then return refuse('too many cells in one blob') end
+local specs = {}  -- key position -> its rule (false: a rule this region skips)
+if checked then  -- the types passed the check call (blob_check.py): only count
+  for i = 1, n do total = total + counts[i] end
+else  -- in the order of blob_check.py, so that both name the same fault first
+  for i = 1, n do
+    local suffix = keys[i]
+    if type(suffix) ~= 'string' or #suffix < 3 or #suffix > 4200 then return refuse('bad key') end
+  end
+  for i = 1, n do
+    local m = counts[i]
+    if type(m) ~= 'number' or not (m >= 1) or m ~= floor(m) then return refuse('a cell count is not a positive integer') end
+    total = total + m
+  end
+end
+if total > max_cells then return refuse('too many cells in one blob') end
+if #cells ~= 4 * total then return refuse('the cells do not match the counts') end
+if not checked then
+  for j = 1, 4 * total, 4 do
+    local b, r, v, w = cells[j], cells[j + 1], cells[j + 2], cells[j + 3]
+    -- integers >= 0 (NaN fails x >= 0)
+    if type(b) ~= 'number' or type(r) ~= 'number' or type(v) ~= 'number' or type(w) ~= 'number'
+        or not (b >= 0 and r >= 0 and v >= 0 and w >= 0)
+        or b ~= floor(b) or r ~= floor(r) or v ~= floor(v) or w ~= floor(w) then
+      return refuse('a cell field is not a non-negative integer')
+    end
+    if r >= nslots then return refuse('slot reference out of range') end
+    if b > MAX_VALUE or v > MAX_VALUE or w > MAX_VALUE then return refuse('a cell value is out of range') end
+  end
+end
+local o = 0  -- offset of key i's cells in cells
+local last, lastspec = nil, false  -- the previous key's rule name and spec (keys of one rule come together)
+for i = 1, n do
+  local suffix, m = keys[i], counts[i]
   local stop = string.find(suffix, ':', 1, true)
-  local known = stop and rules[string.sub(suffix, 1, stop - 1)] or false
-  if not known then unknown = unknown + m / 4 end
+  local known = false
+  if stop then
+    local name = string.sub(suffix, 1, stop - 1)
+    if name == last then known = lastspec else
+      known = rules[name] or false
+      last, lastspec = name, known
+    end
+  end
   specs[i] = known
-  local mine = 0
-  if checked then  -- types and ranges passed the check call: only note the slots used
-    if known then
-      for j = 2, m, 4 do
-        local r = cells[j]
-        needed[r + 1] = true
-        if r == own_ref then mine = mine + 1 end
-      end
-    end
+  local e = o + 4 * m
+  if not known then
+    unknown = unknown + m
   else
-    for j = 1, m, 4 do
-      local b, r, v, w = cells[j], cells[j + 1], cells[j + 2], cells[j + 3]
-      -- integers >= 0 (NaN fails x >= 0)
-      if type(b) ~= 'number' or type(r) ~= 'number' or type(v) ~= 'number' or type(w) ~= 'number'
-          or not (b >= 0 and r >= 0 and v >= 0 and w >= 0)
-          or b ~= floor(b) or r ~= floor(r) or v ~= floor(v) or w ~= floor(w) then
-        return refuse('a cell field is not a non-negative integer')
+    local mine = 0
+    for j = o + 2, e, 4 do
+      local r = cells[j]
+      needed[r + 1] = true
+      if r == own_ref then mine = mine + 1 end
+    end
+    -- This region is the only writer of its current slot: an echo of it is fine,
+    -- a claim of more than it counted is refused (or, repairing, skipped).
+    if mine > 0 then
+      local M = known[3]
+      local fields, at = {'h'}, {}
+      for j = o + 1, e, 4 do
+        if cells[j + 1] == own_ref then
+          fields[#fields + 1] = fnames[cells[j] % M]
+          at[#at + 1] = j
+        end
       end
-      if r >= nslots then return refuse('slot reference out of range') end
-      if b > MAX_VALUE or v > MAX_VALUE or w > MAX_VALUE then return refuse('a cell value is out of range') end
-      if known then
-        needed[r + 1] = true
-        if r == own_ref then mine = mine + 1 end
+      local got = hmget_all(tag .. ':' .. suffix, fields)
+      local h = tonumber(got[1])
+      for q = 1, #at do
+        local j = at[q]
+        local b, have = cells[j], 0
+        if h and b <= h and b > h - M then have = tonumber(got[q + 1]) or 0 end
+        if cells[j + 2] > have or cells[j + 3] > have then
+          if not repair then return refuse("claims more in the receiver's own slot than it counted") end
+          own_ahead = own_ahead + 1
+          cells[j + 1] = -1  -- skipped below
+        end
       end
     end
   end
-  -- This region is the only writer of its current slot: an echo of it is fine,
-  -- a claim of more than it counted is refused (or, repairing, skipped).
-  if mine > 0 then
-    local M = known[3]
-    local fields, at = {'h'}, {}
-    for j = 1, m, 4 do
-      if cells[j + 1] == own_ref then
-        fields[#fields + 1] = fnames[cells[j] % M]
-        at[#at + 1] = j
-      end
-    end
-    local got = hmget_all(tag .. ':' .. suffix, fields)
-    local h = tonumber(got[1])
-    for q = 1, #at do
-      local j = at[q]
-      local b, have = cells[j], 0
-      if h and b <= h and b > h - M then have = tonumber(got[q + 1]) or 0 end
-      if cells[j + 2] > have or cells[j + 3] > have then
-        if not repair then return refuse("claims more in the receiver's own slot than it counted") end
-        own_ahead = own_ahead + 1
-        cells[j + 1] = -1  -- skipped below
-      end
-    end
-  end
+  o = e
 end
 if not apply then return {1, total, 0, 0, 0, unknown, 0, own_ahead} end
 
@@ -216,6 +238,22 @@ local function passed(spec, h, span)
   return set
 end
 
+-- expiry_mark() for a stored mark given as its decimal string: one at least the
+-- mark needed now (compared as strings of digits: same length, then bytes) needs
+-- no new TTL. Cheaper than tonumber() on every key.
+local needs = {}  -- ttl -> decimal string of now_ms() + ttl
+local function mark_for(es, ttl)
+  if es then
+    local ns = needs[ttl]
+    if not ns then
+      ns = fmt(now_ms() + ttl)
+      needs[ttl] = ns
+    end
+    if #es > #ns or (#es == #ns and es >= ns) then return nil end
+  end
+  return expiry_mark(nil, ttl)
+end
+
 -- A key is read whole (HGETALL: then a moving head costs no extra call) while
 -- keys are small: once one has more than 32 fields, the rest of this call reads
 -- only the fields it needs (HMGET). Rules whose keys may grow large always do.
@@ -227,14 +265,16 @@ local queued, nq, relaying = {}, 0, #relay > 0
 -- reused from key to key; pos/want: field -> cell (cleared after each key).
 local cb, cf, cv, cw, sv, sw, pos, want = {}, {}, {}, {}, {}, {}, {}, {}
 local write, nw = {}, 0
-for i = 2, n, 2 do
-  local spec = specs[i]
+local o = 0  -- offset of key i's cells in cells
+for i = 1, n do
+  local m = counts[i]
+  local spec, last = specs[i], o + 4 * m
   if spec then
-    local key, list = tag .. ':' .. t[i], t[i + 1]
+    local key = tag .. ':' .. keys[i]
     local N, M, F, ttl, c = spec[2], spec[3], spec[4], spec[5], spec[6]
     local k, maxb = 0, nil
-    for j = 1, #list, 4 do
-      local b, r = list[j], list[j + 1]
+    for j = o + 1, last, 4 do
+      local b, r = cells[j], cells[j + 1]
       if r < 0 then
         -- an own-slot claim skipped in repair mode
       elseif b > c + F then
@@ -243,20 +283,22 @@ for i = 2, n, 2 do
         old = old + 1
       else
         local f = idx[r + 1] * M + b % M
-        local p = pos[f]
+        local p = nil
+        if m > 1 then p = pos[f] end
         if p then  -- the same cell twice: keep the larger value and floor
-          if list[j + 2] > cv[p] then cv[p] = list[j + 2] end
-          if list[j + 3] > cw[p] then cw[p] = list[j + 3] end
+          if cells[j + 2] > cv[p] then cv[p] = cells[j + 2] end
+          if cells[j + 3] > cw[p] then cw[p] = cells[j + 3] end
         else
           k = k + 1
-          pos[f], cb[k], cf[k], cv[k], cw[k], sv[k], sw[k] = k, b, f, list[j + 2], list[j + 3], 0, 0
+          cb[k], cf[k], cv[k], cw[k], sv[k], sw[k] = b, f, cells[j + 2], cells[j + 3], 0, 0
+          if m > 1 then pos[f] = k end
           if not maxb or b > maxb then maxb = b end
         end
       end
     end
-    for q = 1, k do pos[cf[q]] = nil end
+    if m > 1 then for q = 1, k do pos[cf[q]] = nil end end
     if k > 0 then
-      local h, e = nil, nil  -- the key's head and expiry mark
+      local h, e = nil, nil  -- the key's head and expiry mark (its decimal string)
       local whole = not dense and spec[8]
       local stale = nil  -- fields of the ring positions a moving head passes over
       if whole then
@@ -264,9 +306,15 @@ for i = 2, n, 2 do
         local nf = #flat
         if nf > 64 then dense = true end
         if nf > 0 then
-          if flat[1] == 'h' then h = tonumber(flat[2]) else
-            for x = 3, nf, 2 do if flat[x] == 'h' then h = tonumber(flat[x + 1]) break end end
+          local hs = nil
+          if flat[1] == 'h' then hs = flat[2] else
+            for x = 3, nf, 2 do if flat[x] == 'h' then hs = flat[x + 1] break end end
           end
+          -- Most heads are the cell's bucket or the one before: compare strings (tonumber is dear).
+          if hs == nil then h = nil
+          elseif hs == fnames[maxb] then h = maxb
+          elseif hs == fnames[maxb - 1] then h = maxb - 1
+          else h = tonumber(hs) end
         end
         if h then
           local moves, gone = maxb > h and maxb - h < M, nil
@@ -299,7 +347,7 @@ for i = 2, n, 2 do
               stale = stale or {}
               stale[#stale + 1] = name
             elseif name == 'e' then
-              e = tonumber(flat[x + 1])
+              e = flat[x + 1]
             elseif k == 1 then
               if name == n1 then sv[1] = tonumber(flat[x + 1]) or 0
               elseif name == n2 then sw[1] = tonumber(flat[x + 1]) or 0 end
@@ -325,7 +373,7 @@ for i = 2, n, 2 do
         end
         fields[2 * k + 2] = 'e'
         local got = hmget_all(key, fields)
-        h, e = tonumber(got[1]), tonumber(got[2 * k + 2])
+        h, e = tonumber(got[1]), got[2 * k + 2]
         if h then
           for q = 1, k do
             local b = cb[q]
@@ -352,7 +400,7 @@ for i = 2, n, 2 do
       local mark = nil
       if newh ~= h then
         write[1], write[2], nw = 'h', fnames[newh], 2
-        mark = expiry_mark(e, ttl)
+        mark = mark_for(e, ttl)
         if mark then write[3], write[4], nw = 'e', fmt(mark), 4 end
       end
       local lowest = nil
@@ -368,17 +416,22 @@ for i = 2, n, 2 do
             inc = inc + 1
             if not lowest or b < lowest then lowest = b end
             local f = cf[q]
-            if v > 0 then write[nw + 1], write[nw + 2], nw = fnames[f], fnames[v], nw + 2 end
-            if w > 0 then write[nw + 1], write[nw + 2], nw = fnames[-f - 1], fnames[w], nw + 2 end
+            if v > 0 then write[nw + 1], write[nw + 2], nw = fnames[f], fmt(v), nw + 2 end
+            if w > 0 then write[nw + 1], write[nw + 2], nw = fnames[-f - 1], fmt(w), nw + 2 end
           end
         end
       end
       -- A key that does not exist and gains nothing is not created.
       if h or lowest then
-        for x = 1, nw, 1000 do
-          local y = x + 999
-          if y > nw then y = nw end
-          call('HSET', key, unpack(write, x, y))
+        if nw == 2 then call('HSET', key, write[1], write[2])  -- the usual sizes, without unpack()
+        elseif nw == 4 then call('HSET', key, write[1], write[2], write[3], write[4])
+        elseif nw == 6 then call('HSET', key, write[1], write[2], write[3], write[4], write[5], write[6])
+        else
+          for x = 1, nw, 1000 do
+            local y = x + 999
+            if y > nw then y = nw end
+            call('HSET', key, unpack(write, x, y))
+          end
         end
         if mark then arm_expiry(key, mark) end
       end
@@ -389,6 +442,7 @@ for i = 2, n, 2 do
       end
     end
   end
+  o = last
 end
 if #queued > 0 then
   for r = 1, #relay do enqueue(tag .. '#o:' .. relay[r], tag .. '#t:' .. relay[r], queued, now) end

@@ -5,11 +5,12 @@
 -- KEYS: registry
 -- ARGV: now_us|'', peer, w, max_keys, max_cells, nrules, then per rule: name, res_us, N, M
 -- Reply: {blob|'', keys, cells, outbox_left, unknown, bad}
---   blob: msgpack [slots, suffix, cells, suffix, cells, ...]; suffix is the data
---   key after '<tag>:' (rule:subject); cells is flat bucket, slot_ref (0-based
---   into slots), value, floor. Keys of unknown rules and keys that expired are
---   dropped from the outbox; stored values that are not exact integers are
---   skipped and counted in bad.
+--   blob: msgpack [slots, keys, counts, cells]; keys[i] is a data key after
+--   '<tag>:' (rule:subject), counts[i] its number of cells, and cells is flat
+--   bucket, slot_ref (0-based into slots), value, floor, in key order (four
+--   flat lists: cmsgpack builds and reads them much faster than a list per key).
+--   Keys of unknown rules and keys that expired are dropped from the outbox;
+--   stored values that are not exact integers are skipped and counted in bad.
 local now = clock(ARGV[1])
 local reg = KEYS[1]
 local tag = tag_of(reg)
@@ -64,18 +65,24 @@ local function num(s)
   return v
 end
 
-local blob, nb = {slots}, 1
+local bkeys, bcounts, cells = {}, {}, {}  -- the blob's keys, cells per key, flat cells
 local moved, done, rest, empty = {}, {}, {}, {}
 local nm, nd = 0, 0
 local nkeys, ncells, unknown, bad = 0, 0, 0, 0
 local head = #tag + 2
-local floor = math.floor
+-- numbers[s]: tonumber(s) or false, remembered for this call: outbox entries and
+-- heads repeat a few buckets, and tonumber() costs more than a table lookup.
+local numbers = setmetatable({}, {__index = function(cache, s)
+  local v = tonumber(s) or false
+  cache[s] = v
+  return v
+end})
 for i = 1, #taken, 2 do
   if ncells >= max_cells then break end
   local key, entry = taken[i], taken[i + 1]
   nd = nd + 1
   done[nd] = key
-  local from, wide = tonumber(entry), false
+  local from, wide = numbers[entry], false
   if from and from < 0 then from, wide = -from - 1, true end
   local suffix = string.sub(key, head)
   local stop = string.find(suffix, ':', 1, true)
@@ -87,7 +94,8 @@ for i = 1, #taken, 2 do
     local N, M, c = spec[2], spec[3], spec[4]
     local lo = from
     if lo < c - N then lo = c - N end
-    local cells, n4 = {}, 0
+    local base = 4 * ncells  -- this key's cells go to cells[base + 1 ..]
+    local n4 = base
     if wide then
       local flat = call('HGETALL', key)
       local h, vals, floors = nil, {}, {}
@@ -125,34 +133,28 @@ for i = 1, #taken, 2 do
       local fields = spec[5][lo]
       if not fields then
         fields = {'h'}
-        for b = lo, c do
-          fields[#fields + 1] = fmt(b % M)
-          fields[#fields + 1] = fmt(-(b % M) - 1)
-        end
+        for b = lo, c do fields[#fields + 1] = fmt(b % M) end
         if c - lo < 8 then spec[5][lo] = fields end  -- cache only short lists
       end
+      -- Own values only: this region's floors change only by a reset, which queues
+      -- a wide entry (entries combine to the wider scope), so a narrow entry sends
+      -- floor 0 and the peer keeps the floor it has (a max).
       local got
       if lo == c then  -- the usual case: one bucket, no unpack()
-        got = call('HMGET', key, fields[1], fields[2], fields[3])
+        got = call('HMGET', key, 'h', fields[2])
       else
         got = call('HMGET', key, unpack(fields))
       end
-      local h = tonumber(got[1])
+      local h = got[1] and numbers[got[1]]
       if h and names[0] then
         local r0 = refs[0] or ref(0)
         for b = lo, c do
-          local k = 2 * (b - lo) + 2
-          local x, y = got[k], got[k + 1]
-          if (x or y) and b <= h and b > h - M then
-            local v, w = 0, 0
-            if x then v = tonumber(x) end
-            if y then w = tonumber(y) end
-            if v and w and v >= 0 and w >= 0 and v <= MAX_VALUE and w <= MAX_VALUE and v == floor(v) and w == floor(w) then
-              if n4 == 0 then
-                cells = {b, r0, v, w}  -- sized once
-              else
-                cells[n4 + 1], cells[n4 + 2], cells[n4 + 3], cells[n4 + 4] = b, r0, v, w
-              end
+          local x = got[b - lo + 2]
+          if x and b <= h and b > h - M then
+            local v = tonumber(x)
+            -- an exact integer in [0, MAX_VALUE] (NaN fails v >= 0; v % 1 is 0 for integers only)
+            if v and v >= 0 and v <= MAX_VALUE and v % 1 == 0 then
+              cells[n4 + 1], cells[n4 + 2], cells[n4 + 3], cells[n4 + 4] = b, r0, v, 0
               n4 = n4 + 4
             else
               bad = bad + 1
@@ -162,18 +164,19 @@ for i = 1, #taken, 2 do
       end
     end
     local room = max_cells - ncells
-    if n4 / 4 > room then
+    if (n4 - base) / 4 > room then
       -- A key larger than the room left (3600 buckets x 3 regions is 10800 cells):
       -- send its oldest buckets now and queue the rest from the first bucket left out.
       local order = {}
-      for j = 1, n4, 4 do order[#order + 1] = {cells[j], cells[j + 1], cells[j + 2], cells[j + 3]} end
+      for j = base + 1, n4, 4 do order[#order + 1] = {cells[j], cells[j + 1], cells[j + 2], cells[j + 3]} end
       table.sort(order, function(x, y) return x[1] < y[1] end)
       local cut = order[room + 1][1]
       if cut == order[1][1] then  -- one bucket (at most max_slots cells) always fits in a blob
         for j = 2, #order do if order[j][1] > cut then cut = order[j][1] break end end
         if cut == order[1][1] then cut = order[#order][1] + 1 end
       end
-      cells, n4 = {}, 0
+      for j = n4, base + 1, -1 do cells[j] = nil end
+      n4 = base
       for j = 1, #order do
         local x = order[j]
         if x[1] < cut then
@@ -184,10 +187,10 @@ for i = 1, #taken, 2 do
       rest[#rest + 1] = key
       rest[#rest + 1] = wide and fmt(-cut - 1) or fmt(cut)
     end
-    if n4 > 0 then
-      blob[nb + 1], blob[nb + 2], nb = suffix, cells, nb + 2
+    if n4 > base then
       nkeys = nkeys + 1
-      ncells = ncells + n4 / 4
+      bkeys[nkeys], bcounts[nkeys] = suffix, (n4 - base) / 4
+      ncells = n4 / 4
       moved[nm + 1], moved[nm + 2], nm = key, entry, nm + 2
     else
       empty[#empty + 1] = key  -- nothing to send: leaves the outbox, not put in flight
@@ -215,4 +218,4 @@ local left = 0
 if not emptied or #rest > 0 then left = call('HLEN', box) end
 if left == 0 then call('DEL', since) end
 if nkeys == 0 then return {'', 0, 0, left, unknown, bad} end
-return {cmsgpack.pack(blob), nkeys, ncells, left, unknown, bad}
+return {cmsgpack.pack({slots, bkeys, bcounts, cells}), nkeys, ncells, left, unknown, bad}
