@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -65,30 +66,30 @@ def vet_blob(blob: bytes, allowed: Collection[bytes], max_cells: int, max_slots:
         raise _refuse("duplicate slot id")
     if len(t) != 4 or type(t[1]) is not list or type(t[2]) is not list or type(t[3]) is not list:
         raise _refuse("blob is not [slots, keys, counts, cells]")
-    keys: list[object] = t[1]
-    counts: list[object] = t[2]
-    flat: list[object] = t[3]
+    keys: list[Any] = t[1]  # msgpack's objects: their types are checked next
+    counts: list[Any] = t[2]
+    flat: list[Any] = t[3]
     if len(counts) != len(keys):
         raise _refuse("key and count lists differ in length")
     if keys:
         if not set(map(type, keys)) <= {bytes}:
             raise _refuse("bad key")
-        sizes = list(map(len, keys))  # type: ignore[arg-type]
+        sizes = list(map(len, keys))
         if min(sizes) < 3 or max(sizes) > MAX_SUFFIX:
             raise _refuse("bad key")
         # bool is not int here (type() is exact), as msgpack never decodes one to an int
-        if not set(map(type, counts)) <= {int} or min(counts) < 1:  # type: ignore[type-var]
+        if not set(map(type, counts)) <= {int} or min(counts) < 1:
             raise _refuse("a cell count is not a positive integer")
-    total: int = sum(counts)  # type: ignore[arg-type]
+    total: int = sum(counts)
     if total > max_cells:
         raise _refuse("too many cells in one blob")
     if len(flat) != 4 * total:
         raise _refuse("the cells do not match the counts")
     if flat:
-        if not set(map(type, flat)) <= {int} or min(flat) < 0:  # type: ignore[type-var]
+        if not set(map(type, flat)) <= {int} or min(flat) < 0:
             raise _refuse("a cell field is not a non-negative integer")
-        if max(flat[1::4]) >= len(slots):  # type: ignore[type-var]
+        if max(flat[1::4]) >= len(slots):
             raise _refuse("slot reference out of range")
-        if max(flat) > MAX_VALUE:  # type: ignore[type-var]
+        if max(flat) > MAX_VALUE:
             raise _refuse("a cell value is out of range")
     return VettedBlob(slots, frozenset(regions), total)
