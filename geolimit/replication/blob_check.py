@@ -44,7 +44,9 @@ def vet_blob(blob: bytes, allowed: Collection[bytes], max_cells: int, max_slots:
     ``allowed``: the configured regions (slot ids of other regions are refused).
     """
     try:
-        t = msgpack.unpackb(blob, raw=True, use_list=True, strict_map_key=False)
+        # Redis's cmsgpack reads neither bin nor ext: refuse them here, or a blob
+        # Python accepts would fail in merge.lua after other blobs were written.
+        t = msgpack.unpackb(blob, raw=True, use_list=True, strict_map_key=False, max_bin_len=0, max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         raise _refuse("blob is not msgpack") from exc
     if not isinstance(t, list) or not t or not isinstance(t[0], list):

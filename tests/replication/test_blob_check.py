@@ -41,6 +41,9 @@ def raw(obj: object) -> bytes:
 BAD = {
     "not msgpack": (b"\xc1 no", "blob is not msgpack"),
     "no slot list": (msgpack.packb({"a": 1}), "blob has no slot list"),
+    "bin slot id (cmsgpack cannot read bin)": (msgpack.packb([[b"p1/1"], [b"api:u"], [1], [B, 0, 5, 0]], use_bin_type=True),
+                                               "blob is not msgpack"),
+    "bin key": (msgpack.packb([["p1/1"], [b"api:u"], [1], [B, 0, 5, 0]], use_bin_type=True), "blob is not msgpack"),
     "slot id not a string": (blob([7], b"api:u", [B, 0, 5, 0]), "slot id is not a short string"),
     "long slot id": (blob(["p1/" + "x" * 300], b"api:u", [B, 0, 5, 0]), "slot id is not a short string"),
     "slot id without incarnation": (blob(["p1/"], b"api:u", [B, 0, 5, 0]), "slot id is not region/incarnation"),
@@ -105,8 +108,11 @@ async def test_a_good_blob_passes_both(store: ReplicationStore) -> None:
     assert await lua_reason(store, body) is None
 
 
-async def test_a_refused_blob_leaves_the_merge_unwritten(store: ReplicationStore, redis_url: str) -> None:
+@pytest.mark.parametrize("case", ["value 2**62", "bin key"])
+async def test_a_refused_blob_leaves_the_merge_unwritten(store: ReplicationStore, redis_url: str, case: str) -> None:
+    """The good blob comes first: nothing of it is written when a later one is refused."""
     good = blob(["p1/1"], b"api:u", [B, 0, 5 * SUBSTEPS, 0])
-    with pytest.raises(ProtocolError, match="shard 1: a cell value is out of range"):
-        await store.merge_blobs([(0, good), (1, BAD["value 2**62"][0])], "p1")
+    body, reason = BAD[case]
+    with pytest.raises(ProtocolError, match=f"shard 1: {reason}"):
+        await store.merge_blobs([(0, good), (1, body)], "p1")
     assert (await store.read_live(CLOCK.now_us())) == {}
