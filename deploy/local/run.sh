@@ -63,7 +63,18 @@ POINTER="${XDG_RUNTIME_DIR:-${TMPDIR:-/tmp}}/geolimit-local-$OFFSET.state"
 
 # -- processes ----------------------------------------------------------------------
 
-started_at() { ps -o lstart= -p "$1" 2>/dev/null || true; }
+# started_at PID: that process's start time with _ for spaces in $STARTED_AT ("" once it is
+# gone). Through a file, not $(...): bash 5.2 can fail to parse a trap that runs while it
+# waits for a command substitution ("unexpected EOF while looking for matching `)'"), and a
+# SIGTERM during start-up then made run.sh exit 2 instead of 143.
+STARTED_AT=""
+started_at() {
+    STARTED_AT=""
+    if ps -o lstart= -p "$1" >"$STATE/.lstart" 2>/dev/null; then
+        read -r STARTED_AT <"$STATE/.lstart" || true
+    fi
+    STARTED_AT=${STARTED_AT// /_}
+}
 
 # start NAME CMD...: run CMD in the background, in its own session when setsid exists (so a
 # signal to its process group reaches any child it forks), logging to $STATE/logs/NAME.log.
@@ -78,12 +89,15 @@ start() {
     fi
     pid=$!
     STARTED+=("$name $pid")
-    printf '%s %s %s\n' "$name" "$pid" "$(started_at "$pid" | tr ' ' '_')" >>"$STATE/pids"
+    started_at "$pid"
+    printf '%s %s %s\n' "$name" "$pid" "$STARTED_AT" >>"$STATE/pids"
     LAUNCHING=""
 }
 
 is_ours() {  # is_ours PID STARTED: the same process that we started (not a reused pid)?
-    [[ -n $2 ]] && [[ "$(started_at "$1" | tr ' ' '_')" == "$2" ]]
+    [[ -n $2 ]] || return 1
+    started_at "$1"
+    [[ $STARTED_AT == "$2" ]]
 }
 
 signal_proc() {  # signal_proc SIG PID: its process group if it leads one, else the process
@@ -150,7 +164,8 @@ cleanup() {
     if [[ $STARTING -eq 1 ]]; then
         local last=${!:-}
         if [[ -n $LAUNCHING && -n $last ]] && ! grep -q "^[^ ]* $last " "$STATE/pids"; then
-            printf '%s %s %s\n' "$LAUNCHING" "$last" "$(started_at "$last" | tr ' ' '_')" >>"$STATE/pids"
+            started_at "$last"
+            printf '%s %s %s\n' "$LAUNCHING" "$last" "$STARTED_AT" >>"$STATE/pids"
             STARTED+=("$LAUNCHING $last")
         fi
         say "stopping ${#STARTED[@]} processes"
