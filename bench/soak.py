@@ -318,6 +318,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         samples = Samples()
         sampler: list[asyncio.Future[None]] = []
         early: list[Sweeps] = []
+        sweeping: list[asyncio.Future[None]] = []
         results_in = asyncio.Event()
 
         async def sweep_from_the_stop(watch: LoadWatch) -> None:
@@ -333,14 +334,13 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             samples.failures_start = failures(await statuses(agents))
             sampler.append(asyncio.ensure_future(
                 sample(agents, clients, watch.progress, watch.start_at, watch.start_at + seconds, samples)))
-            sampler.append(asyncio.ensure_future(sweep_from_the_stop(watch)))
+            sweeping.append(asyncio.ensure_future(sweep_from_the_stop(watch)))
             await probe(limiters, rule, watch.start_at + seconds, samples)
 
         print(f"soak: {seconds:g} s of load ...", flush=True)
         results = await run_load(urls, spec, seconds, alongside)
         results_in.set()
-        if len(sampler) > 1:
-            await asyncio.gather(sampler.pop(), return_exceptions=True)  # the sweep in progress ends
+        await asyncio.gather(*sweeping, return_exceptions=True)  # the sweep in progress ends
         cpu = diff(await cpu_now(clients, agents), samples.cpu_start)
         t_stop, t_start = max(r.last for r in results), min(r.first for r in results)
         conv = await converge(clients, rule, results, n, t_stop, early[0] if early else None)

@@ -123,25 +123,17 @@ if not checked then
   end
 end
 local o = 0  -- offset of key i's cells in cells
-local last, lastspec = nil, false  -- the previous key's rule name and spec (keys of one rule come together)
 for i = 1, n do
   local suffix, m = keys[i], counts[i]
   local stop = string.find(suffix, ':', 1, true)
-  local known = false
-  if stop then
-    local name = string.sub(suffix, 1, stop - 1)
-    if name == last then known = lastspec else
-      known = rules[name] or false
-      last, lastspec = name, known
-    end
-  end
+  local known = stop and rules[string.sub(suffix, 1, stop - 1)] or false
   specs[i] = known
-  local e = o + 4 * m
+  local last = o + 4 * m
   if not known then
     unknown = unknown + m
   else
     local mine = 0
-    for j = o + 2, e, 4 do
+    for j = o + 2, last, 4 do
       local r = cells[j]
       needed[r + 1] = true
       if r == own_ref then mine = mine + 1 end
@@ -151,7 +143,7 @@ for i = 1, n do
     if mine > 0 then
       local M = known[3]
       local fields, at = {'h'}, {}
-      for j = o + 1, e, 4 do
+      for j = o + 1, last, 4 do
         if cells[j + 1] == own_ref then
           fields[#fields + 1] = fnames[cells[j] % M]
           at[#at + 1] = j
@@ -171,7 +163,7 @@ for i = 1, n do
       end
     end
   end
-  o = e
+  o = last
 end
 if not apply then return {1, total, 0, 0, 0, unknown, 0, own_ahead} end
 
