@@ -12,6 +12,7 @@ ever need to catch the classes defined here. The original exception is kept as
     ├── StorageError
     ├── ProtocolError
     │   └── AuthenticationError
+    │       └── ClockSkewError      a signed message from a peer whose clock is too far off
     ├── TransportError
     │   └── PeerRefused
     ├── RateLimited                 raised by limited() / limit() / alimit()
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AuthenticationError",
     "BadRequest",
+    "ClockSkewError",
     "ConfigError",
     "GeolimitError",
     "NetsimError",
@@ -88,6 +90,16 @@ class ProtocolError(GeolimitError):
 
 class AuthenticationError(ProtocolError):
     """A replication message is unsigned, forged, replayed or too old."""
+
+
+class ClockSkewError(AuthenticationError):
+    """A correctly signed replication message whose time is outside the auth window:
+    the peer's clock (or a replayed old message) is ``offset`` seconds off ours."""
+
+    def __init__(self, message: str, peer: str, offset: float) -> None:
+        super().__init__(message)
+        self.peer = peer
+        self.offset = offset
 
 
 class TransportError(GeolimitError):

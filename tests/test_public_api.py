@@ -41,6 +41,7 @@ PUBLIC = [
 ERRORS = [
     "AuthenticationError",
     "BadRequest",
+    "ClockSkewError",
     "ConfigError",
     "GeolimitError",
     "NetsimError",

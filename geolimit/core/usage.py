@@ -64,8 +64,14 @@ def summarize(
     fields: Mapping[bytes, bytes],
     now_us: int,
 ) -> Usage:
-    """Strict-mode usage of ``rule`` for ``subject`` at ``now_us``."""
-    current = bucket_of(now_us, rule.resolution_us)
+    """Strict-mode usage of ``rule`` for ``subject`` at ``now_us``.
+
+    ``now_us`` is this Redis's clock; the registry's clock correction (field
+    ``k``, set by the agent: ``replication/clock_sync.py``) moves it onto the
+    region clock that decisions use.
+    """
+    correction = parse_stored_int(registry.get(b"k", b"0"), signed=True)
+    current = bucket_of(now_us + (correction or 0), rule.resolution_us)
     view = read_key(fields, current, rule.buckets, rule.ring)
     names = slot_names(registry)
     by_slot: dict[str, int] = {}

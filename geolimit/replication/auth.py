@@ -15,7 +15,9 @@ told apart).
 
 A request is refused (:class:`~geolimit.errors.AuthenticationError`) when a
 header is missing, the sender is not a configured peer, the time is more than
-``window`` seconds off, the signature is wrong (or made for another region), or
+``window`` seconds off (:class:`~geolimit.errors.ClockSkewError`, checked after
+the signature, naming the peer and its offset), the signature is wrong (or made
+for another region), or
 the (sender, seq) pair was already accepted, as recorded by a
 :class:`~geolimit.replication.replay.ReplayGuard` (in memory, or in Redis so
 that it survives restarts). Responses are signed by the responder for the
@@ -32,7 +34,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from typing import NamedTuple
 
-from geolimit.errors import AuthenticationError, ConfigError
+from geolimit.errors import AuthenticationError, ClockSkewError, ConfigError
 from geolimit.replication.replay import MemoryReplayGuard, ReplayGuard
 
 __all__ = [
@@ -159,11 +161,16 @@ class Verifier:
             raise AuthenticationError("malformed X-Geolimit-Time or X-Geolimit-Seq")
         when, seq = float(stamp), int(seq_s)
         now = self._clock()
-        if not abs(now - when) <= self.window:
-            raise AuthenticationError(f"message time is {now - when:+.1f}s off (allowed ±{self.window:g}s)")
         expected = sign(self._secret, region, self.own_region, stamp, seq_s, body, response=sender is not None)
         if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace")):
             raise AuthenticationError("bad signature (or addressed to another region)")
+        # Checked after the signature, so that only a peer holding the secret is
+        # reported as skewed (a replay of an old message looks the same).
+        if not abs(now - when) <= self.window:
+            raise ClockSkewError(
+                f"message time is {now - when:+.1f}s off: {region}'s clock is {when - now:+.1f}s off ours "
+                f"(allowed ±{self.window:g}s; fix the clocks, e.g. NTP)", region, when - now,
+            )
         return region, when, seq, now
 
     def authenticate(self, headers: Mapping[str, str], body: bytes) -> Authenticated:

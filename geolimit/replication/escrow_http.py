@@ -17,6 +17,7 @@ from aiohttp import web
 
 from geolimit.errors import (
     AuthenticationError,
+    ClockSkewError,
     ProtocolError,
     StorageError,
 )
@@ -24,7 +25,13 @@ from geolimit.replication import escrow_wire
 from geolimit.replication.auth import SEQ, Signer, Verifier
 from geolimit.replication.escrow import EscrowReplicator
 from geolimit.replication.escrow_wire import ESCROW_PATH, EscrowMessage
-from geolimit.replication.transport import CONTENT_TYPE, post_signed, read_limited
+from geolimit.replication.transport import (
+    CONTENT_TYPE,
+    ClockRefusals,
+    clock_refused,
+    post_signed,
+    read_limited,
+)
 
 __all__ = ["EscrowHttpTransport", "add_escrow_routes"]
 
@@ -75,6 +82,9 @@ class EscrowAgent(Protocol):
     escrow: EscrowReplicator | None
 
     @property
+    def engine(self) -> ClockRefusals | None: ...
+
+    @property
     def max_message_bytes(self) -> int: ...
 
 
@@ -92,6 +102,8 @@ def add_escrow_routes(app: web.Application, agent: EscrowAgent) -> None:
             return _error(413, "too_large", f"escrow body over {cap} bytes")
         try:
             auth = agent.verifier.authenticate(request.headers, body)
+        except ClockSkewError as exc:
+            return clock_refused(agent.engine, exc)
         except AuthenticationError as exc:
             log.warning("escrow message from %s refused: %s", request.remote, exc)
             return _error(401, "auth", str(exc))

@@ -22,9 +22,10 @@ from typing import Any
 
 from geolimit.aio import cancel_and_wait
 from geolimit.core.rule import Rule
-from geolimit.errors import ProtocolError, StorageError
+from geolimit.errors import ClockSkewError, ProtocolError, StorageError
 from geolimit.replication import wire
 from geolimit.replication.antientropy import AntiEntropyResult
+from geolimit.replication.clock_sync import agreed_correction
 from geolimit.replication.gossip_receive import Receiver
 from geolimit.replication.gossip_repair import AntiEntropyDriver
 from geolimit.replication.peers import EngineSettings, PeerState, message_caps
@@ -69,11 +70,13 @@ class GossipEngine(Receiver):
         self._recovered = False
         self.own_slots: dict[int, str] = {}
         self.task_failures = 0
+        #: Seconds added to this region's clock for everything that names buckets (clock_sync.py).
+        self.clock_correction = 0.0
         self.last_task_error: str | None = None
         self.stats: dict[str, float] = dict.fromkeys(
             ("rounds", "round_seconds", "drained", "unknown_rule", "merged", "increased", "bad_values", "relayed",
              "dropped_old", "dropped_future", "own_ahead", "ae_runs", "ae_failed", "ae_cells", "ae_keys_repaired",
-             "wipes", "refused", "refused_by_peers", "pruned"), 0.0
+             "wipes", "refused", "refused_by_peers", "pruned", "parked", "unparked"), 0.0
         )
         self.repair = AntiEntropyDriver(self)
 
@@ -85,9 +88,12 @@ class GossipEngine(Receiver):
         await self._drain(now)  # first: it renews the lease under which apps record changes
         if not self._recovered:  # batches a previous agent left in flight go back to the outboxes
             await self.store.recover(self.settings.window)
+            await self.store.find_parked()
             self._recovered = True
             await self._drain(now)
         await self._resettle()
+        if self.store.park_due:  # cells that were ahead of the clock-skew tolerance, now due
+            self.stats["unparked"] += (await self.store.unpark(round(self.region_clock() * 1_000_000))).cells
         self._start_sends(now)
         await self._prune()
         self.repair.start_due(now)
@@ -97,8 +103,12 @@ class GossipEngine(Receiver):
     async def _drain(self, now: float) -> None:
         lease = int(self.settings.lease_ttl * 1_000_000)
         try:
+            self.clock_correction = agreed_correction(
+                (p.skew for p in self.peers.values() if p.skew_known), len(self.peers) + 1
+            )
+            correction_us = round(self.clock_correction * 1_000_000)
             for _ in range(self.settings.drain_passes):
-                drained = await self.store.drain(lease, self.peer_ages(now))
+                drained = await self.store.drain(lease, self.peer_ages(now), correction_us)
                 self.stats["drained"] += drained.taken
                 if not drained.changed_left:
                     break
@@ -225,6 +235,10 @@ class GossipEngine(Receiver):
                 peer.ae_needed = True
 
     # -- sending --------------------------------------------------------------
+
+    def region_clock(self) -> float:
+        """The agreed region clock (seconds): this host's clock plus :attr:`clock_correction`."""
+        return self.clock() + self.clock_correction
 
     def _reach(self, now: float) -> dict[str, float]:
         return {p.name: round(now - p.last_ok, 3) for p in self.peers.values() if p.last_ok is not None}
@@ -360,6 +374,8 @@ class GossipEngine(Receiver):
                   self.region, peer.name, packed.cells, exc)
 
     def _failed(self, peer: PeerState, exc: BaseException) -> None:
+        if isinstance(exc, ClockSkewError):  # its signed answer's time is outside the auth window
+            self.note_clock_refused(peer.name, exc.offset)
         peer.failures += 1
         peer.errors += 1
         peer.last_error = str(exc)[:300]

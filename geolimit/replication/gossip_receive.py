@@ -84,7 +84,27 @@ class Receiver:
         peer.failing = frozenset(msg.failing)
         if msg.now_us:
             sample = msg.now_us / 1_000_000 - (now - peer.rtt / 2)
-            peer.skew = sample if peer.skew == 0.0 else 0.8 * peer.skew + 0.2 * sample
+            peer.skew = 0.8 * peer.skew + 0.2 * sample if peer.skew_known else sample
+            peer.skew_known = True
+
+    def note_clock_refused(self, peer_name: str, offset: float) -> None:
+        """A signed message from ``peer_name`` was refused: its time is ``offset`` s off ours.
+
+        Counted and kept for ``/v1/status`` and the metrics; logged on the first
+        refusal and then every 100th (a skewed peer sends one every round).
+        """
+        peer = self.peers.get(peer_name)
+        if peer is None:
+            return
+        peer.clock_refusals += 1
+        peer.refused_offset = offset
+        peer.refused_offset_at = self.clock()
+        if peer.clock_refusals == 1 or peer.clock_refusals % 100 == 0:
+            log.error(
+                "region %s: refused gossip from %s (%d so far): its clock is %+.1f s off ours, outside the auth "
+                "window; replication with it has stopped until the clocks are fixed (NTP)",
+                self.region, peer_name, peer.clock_refusals, offset,
+            )
 
     # -- receiving ------------------------------------------------------------
 
@@ -144,6 +164,7 @@ class Receiver:
         self.stats["increased"] += merged.increased
         self.stats["dropped_old"] += merged.dropped_old
         self.stats["dropped_future"] += merged.dropped_future
+        self.stats["parked"] += merged.parked
         self.stats["unknown_rule"] += merged.unknown_rule
         self.stats["relayed"] += merged.relayed
         own_ahead = merged.own_ahead

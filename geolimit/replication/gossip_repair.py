@@ -54,7 +54,7 @@ class AntiEntropyDriver:
         self.engine = engine
         store, settings = engine.store, engine.settings
         self.ae = AntiEntropy(
-            engine.region, store.store, store.layout, store.rules, self._send, self._merge, engine.clock,
+            engine.region, store.store, store.layout, store.rules, self._send, self._merge, engine.region_clock,
             max_keys=settings.ae_max_keys, duty=settings.ae_duty,
         )
         self.last: dict[str, AntiEntropyResult] = {}

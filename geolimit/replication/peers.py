@@ -57,7 +57,11 @@ class PeerState:
     cells_sent: int = 0
     cells_received: int = 0
     rtt: float = 0.0  # smoothed round trip of our messages to this peer (seconds)
-    skew: float = 0.0  # smoothed estimate of the peer's clock minus ours (seconds), for status
+    skew: float = 0.0  # smoothed estimate of the peer's clock minus ours (seconds)
+    skew_known: bool = False  # skew holds at least one sample (the agreed clock counts it)
+    clock_refusals: int = 0  # its signed messages refused for a time outside the auth window
+    refused_offset: float | None = None  # the last such message's time minus ours (seconds)
+    refused_offset_at: float | None = None  # when (our clock)
     pending: dict[int, int] = field(default_factory=dict)  # shard -> keys queued in Redis for this peer
     oldest_us: int | None = None  # when the oldest queued change was queued (µs, Redis clock)
     flying: set[int] = field(default_factory=set)  # in-flight message slots

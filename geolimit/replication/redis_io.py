@@ -11,6 +11,7 @@ for long and a decision waits at most about a millisecond behind replication.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from geolimit.store.async_store import AsyncStore
 from geolimit.store.redis_store import describe_error
 from geolimit.store.scripts import load_script
 
+log = logging.getLogger("geolimit.gossip")
+
 __all__ = ["Drained", "Limits", "MergeResult", "Packed", "ReplicationStore", "blobs_from_cells", "pack_blob", "unpack_blob"]
 
 _DRAIN = load_script("drain")
@@ -38,6 +41,7 @@ _PACK = load_script("pack")
 _SETTLE = load_script("settle")
 _MERGE = load_script("merge")
 _PRUNE = load_script("prune")
+_UNPARK = load_script("unpark")
 
 #: In-flight message slots per peer (drain.lua forgets slots 0..7 of removed peers).
 MAX_WINDOW = 8
@@ -53,6 +57,9 @@ class Limits:
     blob_cells: int = 4096  # cells a peer's blob may hold
     new_slots: int = 16  # slot ids a blob may add to a shard's registry
     max_slots: int = 256  # slot ids a shard's registry may hold
+    park_cells: int = 10_000  # cells ahead of the skew tolerance a shard keeps until their bucket comes
+    park_seconds: float = 60.0  # how far past the tolerance a cell may be and still be parked
+    unpark_cells: int = 1000  # parked cells one unpark call takes
 
 
 @dataclass(slots=True)
@@ -76,7 +83,7 @@ class Packed:
 
 
 #: The counters of an accepted merge.lua reply, in order (after the leading 1).
-_MERGE_FIELDS = ("cells", "increased", "dropped_old", "dropped_future", "unknown_rule", "relayed", "own_ahead")
+_MERGE_FIELDS = ("cells", "increased", "dropped_old", "dropped_future", "unknown_rule", "relayed", "own_ahead", "parked")
 
 
 @dataclass(slots=True)
@@ -88,6 +95,11 @@ class MergeResult:
     unknown_rule: int = 0
     relayed: int = 0  # (key, peer) pairs queued for relay
     own_ahead: int = 0  # repair mode: cells claiming more in this region's own slot (skipped)
+    parked: int = 0  # cells ahead of the skew tolerance, kept until their bucket comes (unpark)
+
+    def add_result(self, other: MergeResult) -> None:
+        for name in _MERGE_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def add(self, reply: Sequence[Any]) -> None:
         """Add one accepted ``merge.lua`` reply (``{1, cells, ...}``; later fields may be absent)."""
@@ -114,6 +126,9 @@ class ReplicationStore:
         self.layout = layout
         #: The shards whose outboxes this agent (worker) drains, packs and recovers.
         self.owned = sorted(set(owned)) if owned is not None else list(range(layout.shards))
+        self._owned_set = frozenset(self.owned)
+        #: Shards holding parked cells -> the first one's due time (µs, region clock).
+        self.park_due: dict[int, int] = {}
         if any(not 0 <= s < layout.shards for s in self.owned):
             raise ValueError(f"owned shards must be in [0, {layout.shards})")
         self.region = region
@@ -151,15 +166,18 @@ class ReplicationStore:
 
     # -- the sender's side ------------------------------------------------------
 
-    async def drain(self, lease_us: int = 15_000_000, peer_ages: Mapping[str, int] | None = None) -> Drained:
+    async def drain(
+        self, lease_us: int = 15_000_000, peer_ages: Mapping[str, int] | None = None, clock_correction_us: int = 0
+    ) -> Drained:
         """Fan changed keys out into the peers' outboxes: one bounded call per shard.
 
         Also renews the lease that makes apps record changes (for ``lease_us``),
-        publishes ``peer_ages`` (how old, in µs, each peer's counts here are) and
-        forgets peers that are no longer configured.
+        publishes ``peer_ages`` (how old, in µs, each peer's counts here are),
+        sets the region clock's correction and forgets peers that are no longer
+        configured.
         """
         ages = peer_ages or {}
-        fresh: list[bytes] = [b"%d" % (len(self.peers) + 1), b"%d" % len(self.peers)]
+        fresh: list[bytes] = [b"%d" % (len(self.peers) + 1), b"%d" % clock_correction_us, b"%d" % len(self.peers)]
         for peer in self.peers:
             fresh += (peer.encode(), b"%d" % ages.get(peer, 0))
         head = [self._clock_arg(), self._region_b, self._nonce, new_incarnation(self._nonce), b"%d" % lease_us,
@@ -272,7 +290,8 @@ class ReplicationStore:
 
         def calls(apply: bytes, bodies: Sequence[Blob]) -> list[list[bytes]]:
             head = [self._clock_arg(), self._region_b, self._nonce, apply, mode, b"%d" % lim.blob_cells,
-                    b"%d" % lim.new_slots, b"%d" % lim.max_slots, *regions, *rule_args, *relay]
+                    b"%d" % lim.new_slots, b"%d" % lim.max_slots, b"%d" % lim.park_cells,
+                    b"%d" % round(lim.park_seconds * 1_000_000), *regions, *rule_args, *relay]
             return [[b"1", self._registry(shard), *head, blob] for shard, blob in bodies]
 
         checks: list[Blob] = []
@@ -301,7 +320,51 @@ class ReplicationStore:
             if int(reply[0]) != 1:  # only a change since the checks (registry, own slot) can refuse now
                 raise ProtocolError(f"refused cells for shard {shard}: {reply[1].decode(errors='replace')}")
             out.add(reply)
+            if len(reply) > 9 and int(reply[9]) >= 0:
+                self._note_parked(shard, int(reply[9]))
         return out
+
+    # -- parked cells (ahead of the clock-skew tolerance) -------------------------
+
+    def _note_parked(self, shard: int, due_us: int) -> None:
+        old = self.park_due.get(shard)
+        if old is None or due_us < old:
+            self.park_due[shard] = due_us
+
+    async def unpark(self, now_us: int) -> MergeResult:
+        """Merge the parked cells that are due, in the shards that hold some (``park_due``).
+
+        ``now_us``: the region clock. Bounded: one call per due shard takes at most
+        ``limits.unpark_cells``; the rest waits for the next call. The cells are
+        merged like a peer's (checked, max-merged), not relayed.
+        """
+        due = sorted(s for s, t in self.park_due.items() if t <= now_us and s in self._owned_set)
+        out = MergeResult()
+        if not due:
+            return out
+        calls = [[b"1", self._registry(s), self._clock_arg(), b"%d" % self.limits.unpark_cells] for s in due]
+        blobs: list[Blob] = []
+        for shard, reply in zip(due, _checked(await self.store.run_many(_UNPARK, calls)), strict=True):
+            nxt = int(reply[0])
+            if nxt >= 0:
+                self.park_due[shard] = nxt
+            else:
+                self.park_due.pop(shard, None)
+            if len(reply) > 1:
+                blobs.append((shard, _parked_blob(reply[1:])))
+        for blob in blobs:
+            try:
+                out.add_result(await self.merge_blobs([blob], self.region))
+            except ProtocolError as exc:  # e.g. the slot registry filled up meanwhile
+                log.warning("region %s: parked cells of shard %d could not be merged: %s", self.region, blob[0], exc)
+        return out
+
+    async def find_parked(self) -> None:
+        """Learn which owned shards hold parked cells (at start: ``park_due`` is in memory)."""
+        calls = [[b"1", self._registry(s), self._clock_arg(), b"0"] for s in self.owned]
+        for shard, reply in zip(self.owned, _checked(await self.store.run_many(_UNPARK, calls)), strict=True):
+            if int(reply[0]) >= 0:
+                self._note_parked(shard, int(reply[0]))
 
     # -- whole-window reads (anti-entropy, the demo) ------------------------------
 
@@ -420,6 +483,28 @@ def unpack_blob(blob: bytes) -> tuple[list[bytes], list[tuple[bytes, list[int]]]
         out.append((suffix, flat[at : at + 4 * count]))
         at += 4 * count
     return slots, out
+
+
+def _parked_blob(flat: Sequence[bytes]) -> bytes:
+    """A merge blob of ``unpark.lua``'s field, value pairs (fields it cannot read are skipped)."""
+    slots: dict[bytes, int] = {}
+    by_key: dict[bytes, list[int]] = {}
+    for i in range(0, len(flat) - 1, 2):
+        field, value = bytes(flat[i]), bytes(flat[i + 1])
+        try:
+            bucket_s, length_s, rest = field.split(b":", 2)
+            length = int(length_s)
+            slot, suffix = rest[:length], rest[length:]
+            v_s, w_s = value.split(b":")
+            bucket, v, w = int(bucket_s), int(v_s), int(w_s)
+        except ValueError:
+            continue
+        if len(slot) != length or not suffix:
+            continue
+        ref = slots.setdefault(slot, len(slots))
+        by_key.setdefault(suffix, []).extend((bucket, ref, v, w))
+    cells = [x for group in by_key.values() for x in group]
+    return pack_blob(list(slots), list(by_key), [len(g) // 4 for g in by_key.values()], cells)
 
 
 def _checked(replies: list[Any]) -> list[Any]:

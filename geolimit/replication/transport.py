@@ -12,13 +12,28 @@ import ssl
 from typing import Protocol
 
 import aiohttp
+from aiohttp import web
 from multidict import CIMultiDict
 
-from geolimit.errors import PeerRefused, ProtocolError, TransportError
+from geolimit.errors import ClockSkewError, PeerRefused, ProtocolError, TransportError
 from geolimit.replication import wire
 from geolimit.replication.auth import SEQ, Signer, Verifier
 
-__all__ = ["HttpTransport", "PeerRefused", "Transport", "TransportError", "post_signed", "read_limited"]
+__all__ = ["HttpTransport", "PeerRefused", "Transport", "TransportError", "clock_refused", "post_signed", "read_limited"]
+
+
+class ClockRefusals(Protocol):
+    """Where refusals for a skewed clock are recorded (the gossip engine)."""
+
+    def note_clock_refused(self, peer_name: str, offset: float) -> None: ...
+
+
+def clock_refused(engine: ClockRefusals | None, exc: ClockSkewError) -> web.Response:
+    """The 401 for a signed message whose time is outside the auth window, recorded
+    (and logged) against its peer, so that ``/v1/status`` and the metrics show the offset."""
+    if engine is not None:
+        engine.note_clock_refused(exc.peer, exc.offset)
+    return web.json_response({"error": str(exc), "reason": "clock_skew", "offset": round(exc.offset, 3)}, status=401)
 
 GOSSIP_PATH = "/v1/gossip"
 CONTENT_TYPE = "application/msgpack"

@@ -5,7 +5,9 @@ Checks run in this order, and a request that fails one never reaches Redis:
 1. size: a body over the cap gets 413 before anything is decoded (``Content-Length``
    first, then a bounded read);
 2. authentication: unsigned, forged, replayed (the guard is in Redis, so it
-   survives restarts), stale or misaddressed messages get 401;
+   survives restarts), stale or misaddressed messages get 401 (``clock_skew`` when
+   a correctly signed message's time is outside the auth window: logged with the
+   peer's offset, counted in ``/v1/status`` and ``geolimit_peer_clock_refusals``);
 3. decoding: malformed msgpack or an invalid message gets 400; so do cells that
    ``merge.lua`` refuses (out of range, unknown regions' slots, the receiver's own
    slot, too many new slot ids or cells), with nothing written.
@@ -19,10 +21,10 @@ import logging
 
 from aiohttp import web
 
-from geolimit.errors import AuthenticationError, ProtocolError, StorageError
+from geolimit.errors import AuthenticationError, ClockSkewError, ProtocolError, StorageError
 from geolimit.replication import wire
 from geolimit.replication.auth import SEQ
-from geolimit.replication.transport import CONTENT_TYPE, GOSSIP_PATH, read_limited
+from geolimit.replication.transport import CONTENT_TYPE, GOSSIP_PATH, clock_refused, read_limited
 from geolimit.server.routes_protocol import GossipAgent
 
 __all__ = ["add_gossip_routes"]
@@ -48,6 +50,9 @@ def add_gossip_routes(app: web.Application, agent: GossipAgent) -> None:
             return _error(413, "too_large", f"gossip body over {cap} bytes")
         try:
             auth = agent.verifier.authenticate(request.headers, body)
+        except ClockSkewError as exc:
+            metrics.rejected.labels("clock_skew").inc()
+            return clock_refused(agent.engine, exc)
         except AuthenticationError as exc:
             metrics.rejected.labels("auth").inc()
             log.warning("gossip from %s refused: %s", request.remote, exc)

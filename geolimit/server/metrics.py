@@ -27,6 +27,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: How the workers' gauges combine into the region's (the others sum).
 WORKER_GAUGES: dict[str, GaugeMode] = {
     "geolimit_peer_contact_age_seconds": "max", "geolimit_peer_lag_seconds": "max", "geolimit_peer_rtt_seconds": "max",
+    "geolimit_peer_clock_offset_seconds": "max", "geolimit_clock_correction_seconds": "max",
 }
 #: Gauges that are seconds since an event: a worker's snapshot is aged by its own age.
 AGE_GAUGES = ("geolimit_peer_contact_age_seconds", "geolimit_peer_lag_seconds")
@@ -52,6 +53,8 @@ class _EngineCollector(Collector):
         received = CounterMetricFamily("geolimit_gossip_cells_received", "Cells received from a peer", labels=["peer"])
         errors = CounterMetricFamily("geolimit_peer_errors", "Failed exchanges with a peer", labels=["peer"])
         ae = CounterMetricFamily("geolimit_anti_entropy_runs_ok", "Completed anti-entropy exchanges", labels=["peer"])
+        offset = GaugeMetricFamily("geolimit_peer_clock_offset_seconds", "Estimated clock of a peer minus this region's (seconds)", labels=["peer"])
+        refusals = CounterMetricFamily("geolimit_peer_clock_refusals", "Signed messages from a peer refused because their time was outside the auth window", labels=["peer"])
         for peer in engine.peers.values():
             age.add_metric([peer.name], -1.0 if peer.last_ok is None else now - peer.last_ok)
             outbox.add_metric([peer.name], peer.queued)
@@ -61,7 +64,10 @@ class _EngineCollector(Collector):
             received.add_metric([peer.name], peer.cells_received)
             errors.add_metric([peer.name], peer.errors)
             ae.add_metric([peer.name], peer.ae_ok)
-        yield from (age, outbox, lag, rtt, sent, received, errors, ae)
+            offset.add_metric([peer.name], peer.skew)
+            refusals.add_metric([peer.name], peer.clock_refusals)
+        yield from (age, outbox, lag, rtt, sent, received, errors, ae, offset, refusals)
+        yield GaugeMetricFamily("geolimit_clock_correction_seconds", "Added to this region's clock to agree with the peers' (the mean clock)", value=engine.clock_correction)
         stats = engine.stats
         yield CounterMetricFamily("geolimit_gossip_rounds", "Gossip rounds run", value=stats["rounds"])
         yield CounterMetricFamily("geolimit_gossip_cells_drained", "Changed local keys queued for the peers", value=stats["drained"])
@@ -70,6 +76,8 @@ class _EngineCollector(Collector):
         dropped = CounterMetricFamily("geolimit_gossip_cells_dropped", "Received cells outside the live window", labels=["reason"])
         dropped.add_metric(["old"], stats["dropped_old"])
         dropped.add_metric(["future"], stats["dropped_future"])
+        yield CounterMetricFamily("geolimit_gossip_cells_parked", "Received cells ahead of the clock-skew tolerance, kept until their bucket comes", value=stats["parked"])
+        yield CounterMetricFamily("geolimit_gossip_cells_unparked", "Parked cells merged once their bucket came", value=stats["unparked"])
         dropped.add_metric(["unknown_rule"], stats["unknown_rule"])
         yield dropped
         yield CounterMetricFamily("geolimit_gossip_values_skipped", "Stored values that were not exact integers (skipped when packing)", value=stats["bad_values"])

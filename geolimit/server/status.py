@@ -39,6 +39,11 @@ def agent_status(agent: Agent, now: float) -> dict[str, Any]:
                 "refused_cells": peer.refused,
                 "rtt": round(peer.rtt, 4),
                 "clock_offset": round(peer.skew, 3),
+                # Signed messages refused because their time was outside the auth window.
+                "clock_refusals": peer.clock_refusals,
+                "refused_clock_offset": None if peer.refused_offset is None else round(peer.refused_offset, 3),
+                "refused_clock_offset_age": None if peer.refused_offset_at is None
+                else round(now - peer.refused_offset_at, 3),
             }
     ready, waiting = agent.readiness()
     newest = max(incarnations, default=None)
@@ -49,6 +54,8 @@ def agent_status(agent: Agent, now: float) -> dict[str, Any]:
         "ready": ready,
         "waiting_for": waiting,
         "peers": peers,
+        # Seconds added to this region's clock for buckets: the regions agree on the mean clock.
+        "clock_correction": None if engine is None else round(engine.clock_correction, 4),
         "failures": agent.background_failures(),
         # Several workers: the figures above are those of the worker that answered (its shards'
         # outboxes); region_peers has the region's, over every worker (at most a second old).

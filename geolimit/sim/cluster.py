@@ -177,7 +177,16 @@ class SimCluster(VirtualTime):
             out[name] = (await region.limiter.usage(rule, subject)).by_region
         return out
 
-    async def cells(self, name: str) -> dict[tuple[str, bytes], list[tuple[int, str, int, int]]]:
-        """Every live cell region ``name`` holds (at its own clock)."""
+    async def region_now_us(self, name: str, subject: str | bytes) -> int:
+        """Region ``name``'s clock as its decisions on ``subject`` read it: its own clock
+        plus the correction its agent stored in the subject's shard (the agreed clock)."""
         region = self.regions[name]
-        return await region.store.read_live(region.clock.now_us())
+        layout = region.limiter.layout
+        data = subject.encode() if isinstance(subject, str) else subject
+        raw = await region.limiter.store.client().hget(layout.registry_key(layout.shard_of(data)), b"k")
+        return region.clock.now_us() + (int(raw) if raw else 0)
+
+    async def cells(self, name: str) -> dict[tuple[str, bytes], list[tuple[int, str, int, int]]]:
+        """Every live cell region ``name`` holds (at its agreed clock)."""
+        region = self.regions[name]
+        return await region.store.read_live(round(region.engine.region_clock() * 1_000_000))

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 
-from geolimit.errors import AuthenticationError, ConfigError, StorageError
+from geolimit.errors import AuthenticationError, ClockSkewError, ConfigError, StorageError
 from geolimit.replication.auth import (
     MIN_SECRET_BYTES,
     REGION,
@@ -113,8 +113,18 @@ def test_sequence_numbers_strictly_increase_even_if_the_clock_stalls_or_steps_ba
 @pytest.mark.parametrize("skew", [-WINDOW - 0.5, WINDOW + 0.5, -3600.0])
 async def test_a_stale_or_future_time_is_refused(clock: Clock, skew: float) -> None:
     headers = Signer(SECRET, "a", Clock(T0 + skew)).headers(BODY, "b")
-    with pytest.raises(AuthenticationError, match=r"message time is [+-]\d+\.\ds off \(allowed ±30s\)"):
+    with pytest.raises(ClockSkewError, match=r"message time is [+-]\d+\.\ds off: a's clock is [+-]\d+\.\ds off ours "
+                       r"\(allowed ±30s; fix the clocks") as refused:
         await _verifier("b", clock).verify_request(headers, BODY)
+    assert refused.value.peer == "a"
+    assert refused.value.offset == pytest.approx(skew)
+
+
+async def test_a_forged_message_with_a_skewed_time_is_refused_as_forged_not_skewed(clock: Clock) -> None:
+    headers = Signer(b"another secret of 32 bytes......", "a", Clock(T0 + 3600)).headers(BODY, "b")
+    with pytest.raises(AuthenticationError, match="bad signature") as refused:
+        await _verifier("b", clock).verify_request(headers, BODY)
+    assert not isinstance(refused.value, ClockSkewError)
 
 
 async def test_times_at_the_edge_of_the_window_are_accepted(clock: Clock) -> None:
@@ -131,10 +141,11 @@ async def test_refusal_reasons_in_order(clock: Clock) -> None:
             await verifier.verify_request({k: v for k, v in good.items() if k != missing}, BODY)
     with pytest.raises(AuthenticationError, match="unknown region 'z'"):
         await verifier.verify_request(Signer(SECRET, "z", clock).headers(BODY, "b"), BODY)
-    # Unknown sender is reported before a bad time; a bad time before a bad signature.
+    # Unknown sender is reported before a bad signature; a bad signature before a bad time
+    # (only a signed message can report its sender's clock as skewed).
     with pytest.raises(AuthenticationError, match="unknown region"):
         await verifier.verify_request({**good, REGION: "z", TIME: "1.0"}, BODY)
-    with pytest.raises(AuthenticationError, match="message time"):
+    with pytest.raises(AuthenticationError, match="bad signature"):
         await verifier.verify_request({**good, TIME: "1.0", SIGNATURE: "00"}, BODY)
     with pytest.raises(AuthenticationError, match="bad signature"):
         await verifier.verify_request({**good, SIGNATURE: "00"}, BODY)

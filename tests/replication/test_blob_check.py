@@ -85,7 +85,8 @@ async def lua_reason(store: ReplicationStore, body: bytes) -> str | None:
     """merge.lua's verdict on ``body`` (check only, nothing written): None if accepted."""
     lim = store.limits
     args = [b"1", store.layout.registry_key(0), b"%d" % CLOCK.now_us(), b"r", b"n0", b"0", b"delta",
-            b"%d" % lim.blob_cells, b"%d" % lim.new_slots, b"%d" % lim.max_slots, b"3", b"r", b"p1", b"p2",
+            b"%d" % lim.blob_cells, b"%d" % lim.new_slots, b"%d" % lim.max_slots, b"%d" % lim.park_cells,
+            b"%d" % round(lim.park_seconds * 1_000_000), b"3", b"r", b"p1", b"p2",
             b"1", b"api", b"%d" % API.resolution_us, b"%d" % API.buckets, b"%d" % API.ring, b"%d" % API.future,
             b"%d" % API.ttl_ms, b"0", body]
     [reply] = await store.store.run_many(redis_io._MERGE, [args])

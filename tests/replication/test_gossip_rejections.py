@@ -99,7 +99,10 @@ async def test_bad_authentication_gets_401_and_changes_nothing(target: Regions, 
         headers[SEQ] = "not-a-number"
     status, reply = await _post(target, body, headers)
     assert status == 401, reply
-    assert reply["reason"] == "auth"
+    # A correctly signed message whose time is outside the window names the offset.
+    assert reply["reason"] == ("clock_skew" if case in ("stale", "future") else "auth")
+    if case in ("stale", "future"):
+        assert reply["offset"] == pytest.approx(-31 if case == "stale" else 31, abs=1)
     assert dump_all(client) == before
 
 
@@ -211,3 +214,23 @@ async def test_a_message_for_another_region_is_refused_even_with_a_valid_signatu
     status, reply = await _post(target, body, _signer(target).headers(body, "c"))
     assert status == 401, reply
     assert dump_all(client) == before
+
+
+async def test_a_peer_whose_clock_is_outside_the_window_is_reported_with_its_offset(
+    target: Regions, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = _delta(target)
+    for _ in range(2):
+        headers = _signer(target, skew=45).headers(body, "b")
+        assert (await _post(target, body, headers))[0] == 401
+    async with aiohttp.ClientSession() as http:
+        async with http.get(target.urls["b"] + "/v1/status") as resp:
+            peer = (await resp.json())["peers"]["a"]
+        async with http.get(target.urls["b"] + "/metrics") as resp:
+            metrics = await resp.text()
+    assert peer["clock_refusals"] == 2
+    assert peer["refused_clock_offset"] == pytest.approx(45, abs=0.5)
+    assert 'geolimit_peer_clock_refusals_total{peer="a"} 2.0' in metrics
+    assert 'geolimit_gossip_rejected_total{reason="clock_skew"} 2.0' in metrics
+    logged = [r.getMessage() for r in caplog.records if "refused gossip from a" in r.getMessage()]
+    assert len(logged) == 1 and "+45.0 s off ours" in logged[0]  # the first refusal, not every one

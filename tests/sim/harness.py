@@ -175,7 +175,7 @@ class Harness:
             raise RuntimeError(f"schedule too long: {sim.now - self.started:.1f} virtual s (cells would expire)")
 
     async def hit(self, region: str, subject: bytes, rules: list[str], cost: int) -> None:
-        now_us = self.sim.regions[region].clock.now_us()
+        now_us = await self.sim.region_now_us(region, subject)  # the agreed clock the decision runs on
         decision = await self.sim.hit(region, rules, subject, cost)
         if not decision.allowed:
             raise Violation(f"{self.where}: a hit under a limit of 10**9 was denied: {decision!r}")
@@ -293,8 +293,8 @@ class Harness:
     async def check_usage(self) -> None:
         """The apps' view (``usage``) agrees with the truth in every region's current window."""
         for name, region in self.sim.regions.items():
-            now_us = region.clock.now_us()
             for rule_name, subject in sorted({(k[0], k[1]) for k in self.truth}):
+                now_us = await self.sim.region_now_us(name, subject)
                 rule = BY_NAME[rule_name]
                 current = bucket_of(now_us, rule.resolution_us)
                 want: Counter[str] = Counter()

@@ -31,6 +31,15 @@ local function clock(arg)
   return t[1] * 1000000 + t[2]
 end
 
+-- The region clock's correction (µs) in a shard's registry (field 'k'): the
+-- agent sets it so that every region's decisions run on one agreed clock, the
+-- mean of the regions' clocks (design section 15). Buckets, windows and peer
+-- freshness use clock() + correction; leases, outbox times and escrow rules
+-- use clock() alone.
+local function correction(reg)
+  return tonumber(call('HGET', reg, 'k')) or 0
+end
+
 -- Slot registry of a shard. Slot index 0 is always this region's current
 -- incarnation; a fresh (or wiped) registry starts a new incarnation, so counts
 -- that a lost Redis held come back from peers under the old slot, never merged

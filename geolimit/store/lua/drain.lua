@@ -4,23 +4,25 @@
 -- that are no longer configured.
 -- KEYS: registry, changed, peers
 -- ARGV: now_us|'', region, nonce, candidate incarnation, lease_us, max_keys,
---       regions, npeers, then per peer: name, age_us
+--       regions, clock correction (µs, stored as registry field 'k': common.lua),
+--       npeers, then per peer: name, age_us
 -- Reply: {own_slot_id, changed_left, taken, then per peer: outbox_len, oldest_us|-1}
 local now = clock(ARGV[1])
 local reg, chg, peers = KEYS[1], KEYS[2], KEYS[3]
 local own = ensure_registry(reg, ARGV[2], ARGV[3], ARGV[4])
-call('HSET', reg, 'a', fmt(now + tonumber(ARGV[5])))
+local k = tonumber(ARGV[8])
+call('HSET', reg, 'a', fmt(now + tonumber(ARGV[5])), 'k', fmt(k))
 local max_keys = tonumber(ARGV[6])
 local tag = tag_of(reg)
-local npeers = tonumber(ARGV[8])
+local npeers = tonumber(ARGV[9])
 local names, fresh, keep = {}, {'#R', ARGV[7]}, {['#R'] = true}
-local a = 9
+local a = 10
 for i = 1, npeers do
   local name = ARGV[a]
   names[i] = name
   keep[name] = true
   fresh[#fresh + 1] = name
-  fresh[#fresh + 1] = fmt(now - tonumber(ARGV[a + 1]))
+  fresh[#fresh + 1] = fmt(now + k - tonumber(ARGV[a + 1]))  -- on the region clock, as hit.lua reads it
   a = a + 2
 end
 -- Peers removed from the configuration disappear, with their outboxes.

@@ -109,6 +109,15 @@ for _ = 1, tonumber(ARGV[4]) do
   ai = ai + 3
   local reg, chg, peers = KEYS[ki], KEYS[ki + 1], KEYS[ki + 2]
   ki = ki + 3
+  -- The registry: own slot, the agent's lease (both for tracking) and the clock
+  -- correction: gossip-mode rules run on the agreed region clock gnow, escrow
+  -- rules and the lease on this Redis's own clock (now).
+  local regs = call('HMGET', reg, '@', 'a', 'k')
+  local gnow = now + (tonumber(regs[3]) or 0)
+  local function track_now()
+    if not regs[1] then ensure_registry(reg, region, nonce) end
+    return regs[2] and tonumber(regs[2]) > now
+  end
   local res_all, rs, info, held = true, {}, nil, false
   for j = 1, nr do
     local limit, res, N, M = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2]), tonumber(ARGV[ai + 3])
@@ -122,17 +131,17 @@ for _ = 1, tonumber(ARGV[4]) do
     else
       local approx, predict = ARGV[ai + 5] == '1', ARGV[ai + 6] == '1'
       local partition = tonumber(ARGV[ai + 7])
-      local c = bucket(now, res)
+      local c = bucket(gnow, res)
       local watch = predict or partition > 0
       local sums, futs, h, own, stale, slots, firsts, e = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
       local reserve, closed, predicted, ends = 0, false, 0, 0
       if watch and (partition > 0 or has_remote(slots)) then
         info = info or load_peers(reg, peers)
-        reserve, closed, predicted, ends = reservation(info, slots or {}, region, limit, res, now, predict, partition,
+        reserve, closed, predicted, ends = reservation(info, slots or {}, region, limit, res, gnow, predict, partition,
                                                        tonumber(ARGV[ai + 8]))
       end
       -- One rule: evaluate() below answers the same, so skip this pass.
-      if closed or (nr > 1 and not admits(sums, futs, firsts, N, now, cost, limit, res, approx, reserve)) then
+      if closed or (nr > 1 and not admits(sums, futs, firsts, N, gnow, cost, limit, res, approx, reserve)) then
         res_all = false
       end
       rs[j] = {sums = sums, futs = futs, N = N, limit = limit, res = res, approx = approx, c = c, M = M, ttl = ttl,
@@ -144,21 +153,21 @@ for _ = 1, tonumber(ARGV[4]) do
   local single
   if nr == 1 and res_all and not rs[1].escrow then
     local r = rs[1]
-    single = {evaluate(r.sums, r.firsts, r.futs, r.N, now, cost, r.limit, r.res, r.approx, consume, r.reserve)}
-    single[3] = predicted_retry(single[3], r.sums, r.firsts, r.futs, r.N, now, cost, r.limit, r.res, r.approx,
+    single = {evaluate(r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res, r.approx, consume, r.reserve)}
+    single[3] = predicted_retry(single[3], r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res, r.approx,
                                 r.reserve, r.predicted, r.ends)
     res_all = single[1]
   end
   local consumed = res_all and consume
   local track
   if consumed and cost > 0 then
-    track = tracking(reg, region, nonce, now)
+    track = track_now()
     for j = 1, nr do
       local key, r = KEYS[ki + j - 1], rs[j]
       if not r.escrow then
         local c, M, h, res = r.c, r.M, r.h, r.res
         local value = r.own
-        if value == 0 then value = math.floor((now - c * res) * SUB / res) end
+        if value == 0 then value = math.floor((gnow - c * res) * SUB / res) end
         value = value + cost * SUB
         if h == nil or c > h then
           if #r.stale > 0 then chunked('HDEL', key, r.stale, 1000) end
@@ -182,16 +191,16 @@ for _ = 1, tonumber(ARGV[4]) do
     local ok, used, retry, reset
     if r.escrow then
       if consume and r.st then
-        if track == nil then track = tracking(reg, region, nonce, now) end
+        if track == nil then track = track_now() end
         escrow_write(KEYS[ki + j - 1], r, cost, consumed, r.ttl, track, chg)
       end
       ok, used, retry, reset = escrow_reply(r, cost, consumed)
     elseif single then
       ok, used, retry, reset = single[1], single[2], single[3], single[4]
     else
-      ok, used, retry, reset = evaluate(r.sums, r.firsts, r.futs, r.N, now, cost, r.limit, r.res, r.approx,
+      ok, used, retry, reset = evaluate(r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res, r.approx,
                                         consumed, r.reserve)
-      retry = predicted_retry(retry, r.sums, r.firsts, r.futs, r.N, now, cost, r.limit, r.res, r.approx, r.reserve,
+      retry = predicted_retry(retry, r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res, r.approx, r.reserve,
                               r.predicted, r.ends)
     end
     if r.closed then

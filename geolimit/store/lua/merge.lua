@@ -1,8 +1,8 @@
 -- merge: validate a peer's blob for one shard, then max-merge its cells.
 -- KEYS: registry
 -- ARGV: now_us|'', region, nonce, apply, mode ('delta'|'repair'), max_cells,
---       max_new_slots, max_slots, nregions, regions..., nrules, per rule: name,
---       res_us, N, M, F, ttl_ms, nrelay, relay peers..., blob
+--       max_new_slots, max_slots, park_cap, park_us, nregions, regions..., nrules,
+--       per rule: name, res_us, N, M, F, ttl_ms, nrelay, relay peers..., blob
 -- The blob is msgpack [slots, keys, counts, cells] (see pack.lua): keys[i] is
 -- 'rule:subject', counts[i] its number of cells, and cells is flat bucket,
 -- slot_ref, value, floor in key order.
@@ -11,30 +11,36 @@
 -- per-cell type and range checks are skipped, the registry and own-slot checks
 -- run again. Every check runs before any write.
 -- Refused: {0, reason}. Accepted: {1, cells, increased, dropped_old, dropped_future,
---   unknown_rule, relayed (keys queued for relay peers), own_ahead}; fields may
---   be appended to this reply, so readers ignore what they do not know.
+--   unknown_rule, relayed (keys queued for relay peers), own_ahead, parked,
+--   first parked due (µs on the region clock, -1: none)}; fields may be appended
+--   to this reply, so readers ignore what they do not know.
 -- A cell that claims more in the receiver's own current slot than it counted
 -- refuses the blob in 'delta' mode; in 'repair' mode (anti-entropy after a
 -- failover or a restore lost this region's latest writes) it is skipped, never
 -- written, and counted in own_ahead.
--- Cells outside [c - N, c + F] are dropped (too old to matter / too far in the
--- future). Keys whose state rose are queued, every slot from the lowest raised
--- bucket, in the outboxes of the relay peers.
-local now = clock(ARGV[1])
+-- Cells older than c - N are dropped (too old to matter). Cells after c + F
+-- (further ahead than the clock-skew tolerance) and at most park_us ahead of it
+-- are parked, up to park_cap per shard (fields of hash '<tag>#pk', due times in
+-- zset '<tag>#pz'), and merged by unpark.lua once their bucket is within the
+-- tolerance; the rest are dropped. Keys whose state rose are queued, every slot
+-- from the lowest raised bucket, in the outboxes of the relay peers.
 local reg = KEYS[1]
+local raw = clock(ARGV[1])  -- this Redis's clock: relay queue times
+local now = raw + correction(reg)  -- the region clock: which buckets are current
 local region, nonce = ARGV[2], ARGV[3]
 local apply, checked, repair = ARGV[4] ~= '0', ARGV[4] == '2', ARGV[5] == 'repair'
 local max_cells, max_new, max_slots = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local park_cap, park_us = tonumber(ARGV[9]), tonumber(ARGV[10])
 local allowed = {}
-local a = 10
-for _ = 1, tonumber(ARGV[9]) do allowed[ARGV[a]] = true a = a + 1 end
+local a = 12
+for _ = 1, tonumber(ARGV[11]) do allowed[ARGV[a]] = true a = a + 1 end
 local rules = {}
 local nrules = tonumber(ARGV[a])
 a = a + 1
 for _ = 1, nrules do
   local res = tonumber(ARGV[a + 1])  -- res, N, M, F, ttl_ms, the current bucket, passed() cache
   rules[ARGV[a]] = {res, tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]),
-                    bucket(now, res), {}}
+                    bucket(now, res), {}, nil, math.ceil(park_us / res)}
   a = a + 6
 end
 local relay = {}
@@ -165,7 +171,7 @@ for i = 1, n do
   end
   o = last
 end
-if not apply then return {1, total, 0, 0, 0, unknown, 0, own_ahead} end
+if not apply then return {1, total, 0, 0, 0, unknown, 0, own_ahead, 0, -1} end
 
 -- Apply.
 if not own_inc then ensure_registry(reg, region, nonce) end
@@ -208,6 +214,32 @@ end
 -- over when a key's head moves from h to h+span), cached per rule: the keys of
 -- a blob share a few heads. nil (test each field then) for a long span, or
 -- once 32 sets are cached.
+-- Park a cell ahead of the skew tolerance until due_us (region clock): a field
+-- '<bucket>:<length of slot id>:<slot id><rule:subject>' holding 'value:floor'
+-- (max-merged with what is parked), scored by due_us. False when the park is full.
+local pk, pz = tag .. '#pk', tag .. '#pz'
+local park_room, parked, park_first, park_last = nil, 0, nil, nil
+local function park(suffix, b, id, v, w, due_us)
+  local field = fmt(b) .. ':' .. fmt(#id) .. ':' .. id .. suffix
+  local old = call('HGET', pk, field)
+  if old then
+    local ov, ow = string.match(old, '^(%d+):(%d+)$')
+    ov, ow = tonumber(ov) or 0, tonumber(ow) or 0
+    if ov > v then v = ov end
+    if ow > w then w = ow end
+  else
+    if park_room == nil then park_room = park_cap - call('HLEN', pk) end
+    if park_room <= 0 then return false end
+    park_room = park_room - 1
+  end
+  call('HSET', pk, field, fmt(v) .. ':' .. fmt(w))
+  call('ZADD', pz, fmt(due_us), field)
+  parked = parked + 1
+  if not park_first or due_us < park_first then park_first = due_us end
+  if not park_last or due_us > park_last then park_last = due_us end
+  return true
+end
+
 local sets = 0
 local function passed(spec, h, span)
   if span * used * 2 > 64 then return nil end
@@ -270,7 +302,9 @@ for i = 1, n do
       if r < 0 then
         -- an own-slot claim skipped in repair mode
       elseif b > c + F then
-        fut = fut + 1
+        if b > c + F + spec[9] or not park(keys[i], b, slots[r + 1], cells[j + 2], cells[j + 3], (b - F) * spec[1]) then
+          fut = fut + 1
+        end
       elseif b < c - N then
         old = old + 1
       else
@@ -437,6 +471,12 @@ for i = 1, n do
   o = last
 end
 if #queued > 0 then
-  for r = 1, #relay do enqueue(tag .. '#o:' .. relay[r], tag .. '#t:' .. relay[r], queued, now) end
+  for r = 1, #relay do enqueue(tag .. '#o:' .. relay[r], tag .. '#t:' .. relay[r], queued, raw) end
 end
-return {1, total, inc, old, fut, unknown, nq * #relay, own_ahead}
+if parked > 0 then
+  local keep = math.floor((park_last - now) / 1000) + 60000  -- ms: the last due time, and a minute to release it
+  for _, name in ipairs({pk, pz}) do
+    if call('PTTL', name) < keep then call('PEXPIRE', name, keep) end
+  end
+end
+return {1, total, inc, old, fut, unknown, nq * #relay, own_ahead, parked, park_first or -1}

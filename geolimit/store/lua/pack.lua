@@ -11,8 +11,9 @@
 --   flat lists: cmsgpack builds and reads them much faster than a list per key).
 --   Keys of unknown rules and keys that expired are dropped from the outbox;
 --   stored values that are not exact integers are skipped and counted in bad.
-local now = clock(ARGV[1])
 local reg = KEYS[1]
+local raw = clock(ARGV[1])  -- this Redis's clock: in-flight times
+local now = raw + correction(reg)  -- the region clock: which buckets are current
 local tag = tag_of(reg)
 local peer = ARGV[2]
 local box, since = tag .. '#o:' .. peer, tag .. '#t:' .. peer
@@ -31,7 +32,7 @@ if n == 0 then
   call('DEL', since)
   return {'', 0, 0, 0, 0, 0}
 end
-local taken, whole = take(box, n, max_keys, now)
+local taken, whole = take(box, n, max_keys, raw)
 
 -- slot index -> slot id. A wide entry sends the peer's own slots too: a reset
 -- here raised their floors, and the peer accepts an echo of its own counts.
@@ -213,7 +214,7 @@ else
   end
 end
 if queued_at then call('HSETNX', flight, '@t', queued_at) end  -- the oldest entry's age goes with it
-if #rest > 0 then enqueue(box, since, rest, now) end
+if #rest > 0 then enqueue(box, since, rest, raw) end
 local left = 0
 if not emptied or #rest > 0 then left = call('HLEN', box) end
 if left == 0 then call('DEL', since) end

@@ -8,12 +8,13 @@
 local function fmt(x) return string.format('%d', x) end
 local now = clock(ARGV[1])
 local track = tracking(KEYS[1], ARGV[2], ARGV[3], now)
+local gnow = now + correction(KEYS[1])  -- the region clock (common.lua)
 local out = {}
 for j = 4, #KEYS do
   local key = KEYS[j]
   local a = 4 + (j - 4) * 3
   local res, N, M = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-  local c = bucket(now, res)
+  local c = bucket(gnow, res)
   local sums, _, h, _, stale = load_window(key, c, N, M, false)
   local before = 0
   for d = 0, N do before = before + sums[d] end
