@@ -132,3 +132,16 @@ async def test_a_crashed_poller_is_logged_and_raised_by_stop(monkeypatch: pytest
                          what="the crash logged")
     with pytest.raises(GeolimitError, match="poller crashed"):
         await asyncio.wait_for(server.stop(1), 10)
+
+
+async def test_an_agent_whose_poller_crashed_still_stops_then_raises(
+    start_agent: StartAgent, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(queue: Any) -> Any:
+        raise RuntimeError("poller broke")
+
+    monkeypatch.setattr(transport, "queue_poll", broken)
+    agent = await start_agent(**rls_options(tmp_path, EDGE))
+    with pytest.raises(GeolimitError, match="poller crashed"):
+        await asyncio.wait_for(agent.stop(), 10)
+    assert not agent._runners, "the HTTP listeners are closed all the same"
