@@ -106,13 +106,15 @@ async def test_answers_from_the_loop_in_any_order_and_a_graceful_stop_waits() ->
     assert server.closed
 
 
-async def test_a_stop_without_grace_cancels_and_a_later_answer_is_dropped() -> None:
+async def test_leaving_async_with_cancels_and_a_later_answer_is_dropped() -> None:
     held = Held()
-    server, target = await serve(held)
-    async with grpc.aio.insecure_channel(target) as ch:
-        pending = asyncio.ensure_future(ch.unary_unary("/test.Echo/Call")(b"x", timeout=10))
-        await held.until(1)
-        await asyncio.wait_for(server.stop(None), 10)
+    server = UnaryServer("/test.Echo/Call", held)
+    port = server.bind("127.0.0.1:0")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        async with server:
+            pending = asyncio.ensure_future(ch.unary_unary("/test.Echo/Call")(b"x", timeout=10))
+            await held.until(1)
+        assert server.closed
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await pending
         assert caught.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)

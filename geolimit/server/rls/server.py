@@ -96,12 +96,6 @@ class RlsServer:
             if self._executor is not None:
                 await self._executor.wait()
 
-    async def __aenter__(self) -> RlsServer:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
     def _received(self, call: UnaryCall) -> None:
         """A ShouldRateLimit call (in the event loop): answered now, or when its decisions are in."""
         started = time.perf_counter()

@@ -194,6 +194,14 @@ class UnaryServer:
         if self._crash is not None:
             raise GeolimitError(f"the gRPC poller crashed: {self._crash!r}") from self._crash
 
+    async def __aenter__(self) -> UnaryServer:
+        """Start (after :meth:`bind`)."""
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop(None)
+
     # -- the poller thread -----------------------------------------------------------
 
     def _poll(self) -> None:
