@@ -1,6 +1,6 @@
 """Decisions per second of the agent's Envoy rate limit service (gRPC) against its HTTP ``/v1/check``.
 
-    python bench/rls.py [--rounds 3] [--seconds 3] [--concurrency 64] [--json PATH]
+    python bench/rls.py [--rounds 3] [--seconds 3] [--concurrency 64] [--no-floors] [--json PATH]
 
 Processes on loopback: an embedded redis-server and one ``geolimit agent`` (a
 ``[[rule]]`` and a descriptor file with the same huge limit, so every call makes
@@ -19,17 +19,22 @@ order; the verdict compares the medians over rounds. Target: gRPC at least 2x HT
 The client shares the machine's cores with the agent and Redis, as in the other
 benchmarks: read the ratio, not the absolute figures.
 
-Two more figures explain the result: the agent's CPU time per decision for each
-protocol (from /proc, so less sensitive to the machine's other load than the
-rates), and, measured in the same rounds by the same client, a do-nothing
-``grpc.aio`` servicer in a process of its own (a constant answer, no Redis): the
-most that grpc.aio serves here, and what each RPC costs it before any decision.
+The figures that explain the result: the CPU time per request of the serving
+process and of this client (from /proc, so less sensitive to the machine's other
+load than the rates), and, measured in the same rounds by the same clients,
+do-nothing servers in processes of their own (a constant answer, no Redis): a
+``grpc.aio`` servicer, ``grpc.server`` with a generic handler on raw bytes, the
+agent's own transport (grpcio's core driven directly,
+``geolimit.server.rls.transport``), and an aiohttp ``/v1/check`` handler; what
+each way of serving costs per call before any decision (``--no-floors`` skips
+them). Every measurement stops by itself after ``--seconds``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import platform
@@ -48,9 +53,15 @@ from typing import Any
 import aiohttp
 import grpc
 import grpc.aio
+from aiohttp import web
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
-from geolimit.store.embedded import EmbeddedRedis
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's geolimit, wherever the bench is run from
+
+from geolimit.server.rls.server import METHOD, SERVICE  # noqa: E402
+from geolimit.server.rls.transport import UnaryCall, UnaryServer  # noqa: E402
+from geolimit.store.embedded import EmbeddedRedis  # noqa: E402
 
 TARGET_RATIO = 2.0
 SUBJECTS = 1000
@@ -89,7 +100,7 @@ def start_agent(folder: Path, redis_url: str) -> tuple[subprocess.Popen[str], st
     (folder / "region.toml").write_text(REGION_TOML.format(redis=redis_url, huge=HUGE))
     proc = subprocess.Popen(
         [sys.executable, "-m", "geolimit.cli", "agent", "--config", str(folder / "region.toml")],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,  # -m: this checkout's geolimit
     )
     assert proc.stderr is not None
     http = target = None
@@ -170,43 +181,97 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class _Constant:
-    """The do-nothing servicer: one OK status with a limit, whatever is asked."""
-
-    def __init__(self) -> None:
-        answer = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK)
-        answer.statuses.add(code=rls_pb2.RateLimitResponse.OK, limit_remaining=1).current_limit.requests_per_unit = 1
-        self.answer = answer
-
-    async def ShouldRateLimit(self, request: Any, context: Any) -> Any:
-        return self.answer
+def _constant() -> bytes:
+    """The do-nothing answer: one OK status with a limit, whatever is asked."""
+    answer = rls_pb2.RateLimitResponse(overall_code=rls_pb2.RateLimitResponse.OK)
+    answer.statuses.add(code=rls_pb2.RateLimitResponse.OK, limit_remaining=1).current_limit.requests_per_unit = 1
+    data: bytes = answer.SerializeToString()
+    return data
 
 
-async def serve_floor() -> None:
-    server = grpc.aio.server()
-    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(_Constant(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    print(port, flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
-    await server.stop(None)
+FLOORS = {  # do-nothing servers, one process each: what each way of serving costs before any decision
+    "grpc.aio floor": "a grpc.aio servicer (Envoy's stubs, messages parsed)",
+    "grpc.server floor": "grpc.server, 4 threads, a generic handler on raw bytes",
+    "core floor": "the agent's transport (grpcio's core, geolimit.server.rls.transport), request parsed",
+    "aiohttp floor": "an aiohttp POST /v1/check handler, a constant JSON answer",
+}
+
+
+async def serve_floor(kind: str) -> None:
+    """Serve one do-nothing server on loopback; print its port; stop when stdin closes."""
+    raw = _constant()
+    stopped = asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
+    if kind == "grpc.aio floor":
+        parsed = rls_pb2.RateLimitResponse.FromString(raw)
+
+        class Constant:
+            async def ShouldRateLimit(self, request: Any, context: Any) -> Any:
+                return parsed
+
+        server = grpc.aio.server()
+        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(Constant(), server)
+        print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+        await server.start()
+        await stopped
+        await server.stop(None)
+    elif kind == "grpc.server floor":
+        pool = concurrent.futures.ThreadPoolExecutor(4)
+        sync = grpc.server(pool)
+        handler: grpc.RpcMethodHandler[bytes, bytes] = grpc.unary_unary_rpc_method_handler(lambda request, context: raw)
+        sync.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"ShouldRateLimit": handler}),))
+        print(sync.add_insecure_port("127.0.0.1:0"), flush=True)
+        sync.start()
+        await stopped
+        sync.stop(None)
+    elif kind == "core floor":
+        def handle(call: UnaryCall) -> None:
+            rls_pb2.RateLimitRequest.FromString(call.request)
+            call.reply(raw)
+
+        core = UnaryServer(METHOD, handle)
+        print(core.bind("127.0.0.1:0"), flush=True)
+        await core.start()
+        await stopped
+        await core.stop(None)
+    else:
+        body = json.dumps({"allowed": True, "limit": 1, "remaining": 1}).encode()
+
+        async def check(request: web.Request) -> web.Response:
+            await request.read()
+            return web.Response(body=body, content_type="application/json")
+
+        app = web.Application()
+        app.router.add_post("/v1/check", check)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        print(site._server.sockets[0].getsockname()[1], flush=True)  # type: ignore[union-attr]
+        await stopped
+        await runner.cleanup()
 
 
 async def measure(targets: dict[str, str], pids: dict[str, int], rounds: int, seconds: float,
                   concurrency: int) -> dict[str, list[float]]:
-    """Per round and kind: requests/s, and the serving process's CPU microseconds per request."""
-    for kind, where in targets.items():  # warm-up: connections, scripts loaded, rules registered
-        await (http_rate(where, 0.5, concurrency) if kind == "http" else grpc_rate(where, 0.5, concurrency))
+    """Per round and kind: requests/s, and CPU microseconds per request of the server and of this client."""
+
+    def run(kind: str, span: float) -> Awaitable[float]:
+        http = kind in ("http", "aiohttp floor")
+        return (http_rate if http else grpc_rate)(targets[kind], span, concurrency)
+
+    for kind in targets:  # warm-up: connections, scripts loaded, rules registered
+        await run(kind, 0.5)
     out: dict[str, list[float]] = {}
+    me = os.getpid()
     for n in range(rounds):
         order = list(targets) if n % 2 == 0 else list(reversed(targets))
         for kind in order:
-            cpu = cpu_seconds(pids[kind])
-            rate = await (http_rate(targets[kind], seconds, concurrency) if kind == "http"
-                          else grpc_rate(targets[kind], seconds, concurrency))
+            cpu, mine = cpu_seconds(pids[kind]), cpu_seconds(me)
+            rate = await run(kind, seconds)
             out.setdefault(kind, []).append(rate)
             out.setdefault(f"{kind}_cpu_us", []).append((cpu_seconds(pids[kind]) - cpu) / (rate * seconds) * 1e6)
-        print(f"  round {n + 1}: " + ", ".join(f"{k} {out[k][-1]:,.0f}/s ({out[k + '_cpu_us'][-1]:.0f} us CPU each)"
+            out.setdefault(f"{kind}_client_us", []).append((cpu_seconds(me) - mine) / (rate * seconds) * 1e6)
+        print(f"  round {n + 1}: " + ", ".join(f"{k} {out[k][-1]:,.0f}/s ({out[k + '_cpu_us'][-1]:.0f} us)"
                                                for k in targets)
               + f" -> gRPC/HTTP {out['grpc'][-1] / out['http'][-1]:.2f}x", flush=True)
     return out
@@ -217,40 +282,43 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--no-floors", action="store_true", help="only the agent's two protocols")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--serve-floor", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-floor", choices=list(FLOORS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_floor:
-        asyncio.run(serve_floor())
+        asyncio.run(serve_floor(args.serve_floor))
         return
+    floors: dict[str, subprocess.Popen[str]] = {}
     with EmbeddedRedis() as redis_server, tempfile.TemporaryDirectory() as tmp:
         proc, http, target = start_agent(Path(tmp), redis_server.url)
-        floor = subprocess.Popen([sys.executable, __file__, "--serve-floor"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
         try:
-            assert floor.stdout is not None
-            floor_target = f"127.0.0.1:{int(floor.stdout.readline())}"
-            print(f"agent: HTTP {http}, gRPC {target}; do-nothing grpc.aio servicer {floor_target}; "
-                  f"Redis {redis_server.version}; {args.concurrency} in flight, {args.seconds:g} s per "
-                  f"measurement, {args.rounds} rounds")
-            targets = {"grpc": target, "http": http, "grpc.aio floor": floor_target}
-            pids = {"grpc": proc.pid, "http": proc.pid, "grpc.aio floor": floor.pid}
+            targets, pids = {"grpc": target, "http": http}, {"grpc": proc.pid, "http": proc.pid}
+            for kind in [] if args.no_floors else list(FLOORS):
+                floor = floors[kind] = subprocess.Popen([sys.executable, __file__, "--serve-floor", kind],
+                                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                assert floor.stdout is not None
+                port = int(floor.stdout.readline())
+                targets[kind] = f"http://127.0.0.1:{port}" if kind == "aiohttp floor" else f"127.0.0.1:{port}"
+                pids[kind] = floor.pid
+            print(f"agent: HTTP {http}, gRPC {target}; Redis {redis_server.version}; {args.concurrency} in flight, "
+                  f"{args.seconds:g} s per measurement, {args.rounds} rounds; load average {os.getloadavg()[0]:.1f}")
             rates = asyncio.run(measure(targets, pids, args.rounds, args.seconds, args.concurrency))
         finally:
             proc.terminate()
             proc.wait(10)
-            floor.communicate(timeout=10)
+            for floor in floors.values():
+                floor.communicate(timeout=10)
     median = {k: statistics.median(v) for k, v in rates.items()}
     grpc_median, http_median = median["grpc"], median["http"]
     ratio = grpc_median / http_median
     verdict = "PASS" if ratio >= TARGET_RATIO else "MISS"
-    print(f"gRPC ShouldRateLimit: {grpc_median:,.0f} decisions/s, agent CPU {median['grpc_cpu_us']:.0f} us "
-          f"per decision (medians of {args.rounds})")
-    print(f"HTTP /v1/check:       {http_median:,.0f} decisions/s, agent CPU {median['http_cpu_us']:.0f} us "
-          f"per decision (same run)")
-    print(f"do-nothing grpc.aio:  {median['grpc.aio floor']:,.0f} RPC/s, {median['grpc.aio floor_cpu_us']:.0f} us "
-          f"CPU per RPC (same run: the ceiling of any grpc.aio service here)")
-    print(f"ratio {ratio:.2f}x, goal >= {TARGET_RATIO:g}x: {verdict}")
+    print(f"medians of {args.rounds} rounds; CPU per request of the serving process and of this client:")
+    names = {"grpc": "gRPC ShouldRateLimit (agent)", "http": "HTTP /v1/check (agent)"} | FLOORS
+    for kind in targets:
+        print(f"  {median[kind]:8,.0f}/s  server {median[kind + '_cpu_us']:4.0f} us  client "
+              f"{median[kind + '_client_us']:4.0f} us  {names[kind]}")
+    print(f"ratio {ratio:.2f}x, goal >= {TARGET_RATIO:g}x: {verdict}; load average {os.getloadavg()[0]:.1f}")
     if args.json:
         report: dict[str, Any] = {
             "rates": rates, "medians": median,

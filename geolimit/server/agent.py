@@ -196,7 +196,11 @@ class Agent:
     async def stop(self, flush_timeout: float = 2.0) -> bool:
         """Graceful stop; returns True if every outbox was delivered before the deadline."""
         if self.rls is not None:
-            await self.rls.stop()
+            try:
+                await self.rls.stop()
+            except BaseException:  # its poller crashed: the rest still stops, then the error is raised
+                await self.abort()
+                raise
         for runner in self._runners:
             for site in list(runner.sites):
                 await site.stop()
@@ -235,8 +239,13 @@ class Agent:
 
     async def _close(self) -> None:
         await self.metrics.stop()
-        if self.rls is not None:
-            await self.rls.stop(None)
+        try:
+            if self.rls is not None:
+                await self.rls.stop(None)
+        finally:
+            await self._close_listeners_and_stores()
+
+    async def _close_listeners_and_stores(self) -> None:
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()

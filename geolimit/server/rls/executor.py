@@ -48,11 +48,15 @@ class Executor:
         self._script = rls_script()
         self._batches: Coalescer[Transaction, list[Decision]] = Coalescer(self._run, max_batch, max_in_flight)
 
-    async def decide(self, tx: Transaction) -> list[Decision]:
-        """The decision of each of ``tx``'s requests (counted only if the transaction is admitted)."""
+    def decide(self, tx: Transaction) -> asyncio.Future[list[Decision]]:
+        """The decision of each of ``tx``'s requests (counted only if the transaction is admitted).
+
+        A future rather than a coroutine: the caller may await it or add a callback
+        (no task per request on one Redis server).
+        """
         if self._limiter.store.clustered:
-            return await self._clustered(tx)
-        return await self._batches.submit(tx)
+            return asyncio.ensure_future(self._clustered(tx))
+        return self._batches.submit(tx)
 
     async def wait(self) -> None:
         """Until the calls in flight are done."""

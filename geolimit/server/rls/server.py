@@ -1,36 +1,40 @@
 """The agent's gRPC listener: ``envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit``.
 
-A ``grpc.aio`` server in the agent's event loop; the message classes and the
-service registration are Envoy's own API definitions as compiled by the gRPC
-project (the ``xds-protos`` package). Each request is planned by
-:mod:`geolimit.server.rls.decide` and decided in Redis by
-:class:`~geolimit.server.rls.executor.Executor`.
+Served by :class:`~geolimit.server.rls.transport.UnaryServer` (grpcio's core,
+a poller thread, the handler in the agent's event loop: a third of the CPU per
+call of a ``grpc.aio`` servicer); the message classes are Envoy's own API
+definitions as compiled by the gRPC project (the ``xds-protos`` package). Each
+request is planned by :mod:`geolimit.server.rls.decide` and decided in Redis by
+:class:`~geolimit.server.rls.executor.Executor`, with a callback on its future
+rather than a task per request.
 
-Errors: a request without a domain or descriptors, or with too many, is
-``INVALID_ARGUMENT``. When Redis cannot be reached the agent's ``on_error``
+Errors: a request without a domain or descriptors, or with too many, or that
+does not parse, is ``INVALID_ARGUMENT``. When Redis cannot be reached the agent's ``on_error``
 decides: ``raise`` answers ``UNAVAILABLE`` (Envoy's ``failure_mode_deny`` then
 decides), ``allow`` answers OK and ``deny`` OVER_LIMIT for every enforced limit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import grpc
-import grpc.aio
-from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from envoy.service.ratelimit.v3 import rls_pb2
+from google.protobuf.message import DecodeError
 from prometheus_client import Counter, Histogram
 
 from geolimit.errors import GeolimitError, RequestError, StorageError
-from geolimit.server.rls.decide import Answer, Descriptor, answer, degraded, plan
+from geolimit.server.rls.decide import Answer, Descriptor, Transaction, answer, degraded, plan
 from geolimit.server.rls.descriptors import UNIT_CODES
 from geolimit.server.rls.executor import Executor
+from geolimit.server.rls.transport import StatusCode, UnaryCall, UnaryServer
 from geolimit.store.protocol import RulePlan
 
 if TYPE_CHECKING:
+    from geolimit.core.decision import Decision
     from geolimit.server.agent import Agent
 
 __all__ = ["SERVICE", "RlsServer"]
@@ -38,6 +42,7 @@ __all__ = ["SERVICE", "RlsServer"]
 log = logging.getLogger("geolimit.agent")
 
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
+METHOD = f"/{SERVICE}/ShouldRateLimit"
 _OK = rls_pb2.RateLimitResponse.OK
 _OVER_LIMIT = rls_pb2.RateLimitResponse.OVER_LIMIT
 _MAX_WARNED_DOMAINS = 100
@@ -49,7 +54,7 @@ class RlsServer:
     def __init__(self, agent: Agent, now_us: Callable[[], int | None]) -> None:
         self._agent = agent
         self._now_us = now_us
-        self._server: grpc.aio.Server | None = None
+        self._server: UnaryServer | None = None
         self._executor: Executor | None = None
         self._plans: dict[str, RulePlan] = {}
         self._unknown: set[str] = set()
@@ -70,14 +75,12 @@ class RlsServer:
         limiter = self._agent.require_limiter()
         self._executor = Executor(limiter, self._agent.config.region.encode(), self._now_us)
         # Without SO_REUSEPORT a port in use is an error, not a silently shared port.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
-        rls_pb2_grpc.add_RateLimitServiceServicer_to_server(self, server)
+        server = UnaryServer(METHOD, self._received, options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            bound = server.add_insecure_port(target)
-        except RuntimeError as exc:
-            await server.stop(None)
-            raise GeolimitError(f"agent {self._agent.config.region}: cannot listen for gRPC on {target}: {exc}") from exc
+            bound = server.bind(target)
+        except GeolimitError as exc:
+            raise GeolimitError(f"agent {self._agent.config.region}: {exc}") from exc
         await server.start()
         self._server = server
         log.info("agent %s: rate limit service (Envoy RLS v3) on %s:%d", self._agent.config.region, host, bound)
@@ -86,30 +89,59 @@ class RlsServer:
     async def stop(self, grace: float | None = 1.0) -> None:
         """Stop accepting; in-flight calls get ``grace`` seconds to finish."""
         server, self._server = self._server, None
-        if server is not None:
-            await server.stop(grace)
-        if self._executor is not None:
-            await self._executor.wait()
+        try:
+            if server is not None:
+                await server.stop(grace)
+        finally:
+            if self._executor is not None:
+                await self._executor.wait()
 
-    async def ShouldRateLimit(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        """The RPC (its name is the service's)."""
+    def _received(self, call: UnaryCall) -> None:
+        """A ShouldRateLimit call (in the event loop): answered now, or when its decisions are in."""
         started = time.perf_counter()
         try:
-            result = await self._decide(request)
-        except RequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except StorageError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except GeolimitError as exc:
-            log.error("ShouldRateLimit failed: %s", exc)
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
-        except Exception as exc:
-            log.exception("ShouldRateLimit crashed")
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
-        self.request_seconds.observe(time.perf_counter() - started)
-        return result
+            try:
+                request = rls_pb2.RateLimitRequest.FromString(call.request)
+            except DecodeError as exc:
+                raise RequestError(f"not a RateLimitRequest: {exc}") from exc
+            name, tx, decisions, on_error = self._plan(request)
+        except BaseException as exc:
+            _fail(call, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        if decisions is None:
+            self._answer(call, name, answer(tx, []), started)
+        else:
+            decisions.add_done_callback(lambda done: self._decided(call, name, tx, done, on_error, started))
 
-    async def _decide(self, request: Any) -> Any:
+    def _decided(self, call: UnaryCall, name: str, tx: Transaction, done: asyncio.Future[list[Decision]],
+                 on_error: str, started: float) -> None:
+        try:
+            try:
+                result = answer(tx, done.result())
+            except StorageError:
+                if on_error == "raise":
+                    raise
+                result = degraded(tx, on_error == "allow")
+            self._answer(call, name, result, started)
+        except BaseException as exc:
+            _fail(call, exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    def _answer(self, call: UnaryCall, name: str, result: Answer, started: float) -> None:
+        for status in result.statuses:
+            labels = (name, status.metric, status.result)
+            child = self._counted.get(labels)
+            if child is None:
+                child = self._counted[labels] = self.decisions.labels(*labels)
+            child.inc()
+        call.reply(_response(result).SerializeToString())
+        self.request_seconds.observe(time.perf_counter() - started)
+
+    def _plan(self, request: Any) -> tuple[str, Transaction, asyncio.Future[list[Decision]] | None, str]:
+        """The domain's name, the transaction, its decisions to come (None: none needed) and ``on_error``."""
         name: str = request.domain
         if not name:
             raise RequestError("rate limit domain must not be empty")
@@ -125,27 +157,29 @@ class RlsServer:
             self._warn_unknown(name)
         tx = plan(domain, name, descriptors, self._agent.require_limiter().layout, self._plans)
         if not tx.requests:
-            result = answer(tx, [])
-        else:
-            assert self._executor is not None, "start() first"
-            try:
-                result = answer(tx, await self._executor.decide(tx))
-            except StorageError:
-                if config.on_error == "raise":
-                    raise
-                result = degraded(tx, config.on_error == "allow")
-        for status in result.statuses:
-            labels = (name, status.metric, status.result)
-            child = self._counted.get(labels)
-            if child is None:
-                child = self._counted[labels] = self.decisions.labels(*labels)
-            child.inc()
-        return _response(result)
+            return name, tx, None, config.on_error
+        if self._executor is None:
+            raise GeolimitError("the rate limit service is not started")
+        return name, tx, self._executor.decide(tx), config.on_error
 
     def _warn_unknown(self, name: str) -> None:
         if name not in self._unknown and len(self._unknown) < _MAX_WARNED_DOMAINS:
             self._unknown.add(name)
             log.warning("rate limit service: no configuration for domain %r: its descriptors get no limit", name)
+
+
+def _fail(call: UnaryCall, exc: BaseException) -> None:
+    """Answers ``call`` with the status for ``exc``."""
+    if isinstance(exc, RequestError):
+        call.fail(StatusCode.INVALID_ARGUMENT, str(exc))
+    elif isinstance(exc, StorageError):
+        call.fail(StatusCode.UNAVAILABLE, str(exc))
+    elif isinstance(exc, GeolimitError):
+        log.error("ShouldRateLimit failed: %s", exc)
+        call.fail(StatusCode.INTERNAL, str(exc))
+    else:
+        log.error("ShouldRateLimit crashed", exc_info=exc)
+        call.fail(StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
 
 def _response(result: Answer) -> Any:
