@@ -19,11 +19,18 @@ class RuleDecision:
     Times are seconds. ``retry_after`` is 0 when allowed and ``math.inf`` when the
     cost is larger than the limit (the request can never be allowed).
     ``reset_after`` is the time until the window holds nothing. ``stable_for`` is
-    a time during which ``remaining`` cannot grow: a lower bound (until the next
-    bucket boundary in strict mode, 0 in approximate mode), exact when nothing is
-    counted (the whole window) or one unit is (until its bucket leaves). A plain
-    record (not frozen: building frozen dataclasses costs a microsecond each on
-    the decision path).
+    a time during which ``remaining`` cannot grow with no new traffic and no news
+    from peers (the headers' ``t``). In strict mode it is exact: until the oldest
+    bucket holding a count leaves the window (the whole window when none does),
+    cut to when a reserve predicted for peers may shrink (the next bucket
+    boundary or the end of a peer's prediction, see
+    :func:`geolimit.core.model.reserve_falls_at`); a denied rule counting more
+    than its limit keeps ``remaining`` at 0 longer. In approximate mode it is 0
+    (the oldest bucket's weight shrinks continuously) unless nothing (the whole
+    window) or one unit (until its bucket leaves) is counted. Escrow rules: until
+    the oldest own step that counts stops counting (rights moved by the agent
+    are news). A plain record (not frozen: building frozen dataclasses costs a
+    microsecond each on the decision path).
     """
 
     rule: str
@@ -90,17 +97,9 @@ def _finite(value: float) -> float | None:
     return None if math.isinf(value) else value
 
 
-def rule_decision(rule: Rule, allowed: int, used: int, retry_us: int, reset_us: int) -> RuleDecision:
+def rule_decision(rule: Rule, allowed: int, used: int, retry_us: int, reset_us: int, stable_us: int) -> RuleDecision:
     """A :class:`RuleDecision` from the script's integers (microseconds)."""
     remaining = rule.limit - used
-    if reset_us <= 0:  # nothing counted: the whole limit is available for a window
-        stable_us = rule.window_us
-    elif used == 1:  # one unit, in one bucket: it counts in full until that bucket leaves
-        stable_us = reset_us
-    elif rule.mode == "approximate":  # the oldest bucket's weight shrinks continuously
-        stable_us = 0
-    else:  # buckets leave the window at bucket boundaries; reset_us ends on one
-        stable_us = reset_us % rule.resolution_us or rule.resolution_us
     return RuleDecision(
         rule.name,
         allowed == 1,
@@ -116,7 +115,8 @@ def rule_decision(rule: Rule, allowed: int, used: int, retry_us: int, reset_us: 
 def to_rule_decision(rule: Rule, evaluation: Evaluation) -> RuleDecision:
     """Convert an integer-microsecond :class:`Evaluation` for ``rule``."""
     return rule_decision(
-        rule, int(evaluation.allowed), evaluation.used, evaluation.retry_after_us, evaluation.reset_after_us
+        rule, int(evaluation.allowed), evaluation.used, evaluation.retry_after_us, evaluation.reset_after_us,
+        evaluation.stable_us,
     )
 
 

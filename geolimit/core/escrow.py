@@ -203,6 +203,15 @@ class Ledger:
         """Own admissions that may still lie in the window ending at ``now_us``."""
         return sum(own.admitted for b, own in self.buckets.items() if self.counts(b, now_us))
 
+    def stable_us(self, now_us: int) -> int:
+        """Until the oldest own step that counts at ``now_us`` stops counting (the window when
+        none does): with no new traffic and no rights moved, what the region may admit cannot grow before."""
+        exits = [
+            max(own.last_us + self.window_us + 1, (b + self.n) * self.step_us)
+            for b, own in self.buckets.items() if own.admitted and self.counts(b, now_us)
+        ]
+        return min(exits) - now_us if exits else self.window_us
+
     def demand(self, now_us: int) -> int:
         """Units per window asked for (admitted or not) over the current and the previous bucket, scaled."""
         since = (now_us // self.resolution_us - 1) * self.resolution_us

@@ -8,7 +8,7 @@ it and a whole multi-region cluster can be simulated without Redis.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from geolimit.core.gcounter import Cell, KeyState, effective, join, parse_slot_id, slot_id
@@ -23,7 +23,36 @@ from geolimit.core.window import (
     window_sums,
 )
 
-__all__ = ["ModelStore"]
+__all__ = ["ModelStore", "reserve_falls_at"]
+
+
+def reserve_falls_at(
+    known_until: Mapping[str, int], recent: Mapping[str, int], own_region: str, now_us: int, resolution_us: int,
+    partition_after_us: int,
+) -> int | None:
+    """When a reserve predicted for peers (``Rule.predict``) may first shrink with no news from them.
+
+    A peer is predicted for while its counts are stale but at most
+    ``partition_after`` old, at ``rate * staleness``, which only grows within a
+    bucket; but its rate is recomputed at every bucket boundary (from counts
+    that may have left buckets ``c-1`` and ``c``), and 1 us after its counts are
+    ``partition_after`` old its prediction ends (replaced by nothing, the
+    ``share`` policy's fair share, or a ``closed`` denial). So with a peer whose
+    prediction is above 0 (it has counts in ``c-1`` or ``c``), the reserve may
+    shrink at the next bucket boundary or at the first such end, whichever
+    comes first; None if no peer is predicted for. ``recent``: each peer
+    region's count in buckets ``c-1`` and ``c``.
+    """
+    at: int | None = None
+    for region, until in known_until.items():
+        stale = now_us - until
+        if region != own_region and recent.get(region, 0) > 0 and 0 < stale <= partition_after_us:
+            end = until + partition_after_us + 1
+            at = end if at is None or end < at else at
+    if at is None:
+        return None
+    edge = (now_us // resolution_us + 1) * resolution_us
+    return edge if edge < at else at
 
 
 @dataclass
@@ -62,10 +91,10 @@ class ModelStore:
                         out[delta] = min(out[delta], cell.value % SUBSTEPS)
         return out
 
-    def reservation(self, rule: Rule, subject: bytes, now_us: int) -> Reservation:
-        """Units set aside for peers, and whether policy ``closed`` denies."""
-        if not (rule.predict or rule.partition != "local"):
-            return Reservation(0.0, False)
+    def _peer_counts(
+        self, rule: Rule, subject: bytes, now_us: int
+    ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """Each peer region's count in the window, in buckets ``c-1`` and ``c``, and in ``c``."""
         state = self.keys.get((rule.name, subject), {})
         current = bucket_of(now_us, rule.resolution_us)
         counts: dict[str, int] = {}
@@ -84,6 +113,13 @@ class ModelStore:
                     recent[region] = recent.get(region, 0) + cell.effective
                 if delta == 0:
                     latest[region] = latest.get(region, 0) + cell.effective
+        return counts, recent, latest
+
+    def reservation(self, rule: Rule, subject: bytes, now_us: int) -> Reservation:
+        """Units set aside for peers, and whether policy ``closed`` denies."""
+        if not (rule.predict or rule.partition != "local"):
+            return Reservation(0.0, False)
+        counts, recent, latest = self._peer_counts(rule, subject, now_us)
         found = reserve(
             limit=rule.limit, resolution_us=rule.resolution_us, now_us=now_us, counts=counts,
             recent=recent, latest=latest, known_until=self.peer_known, regions=self.regions, predict=rule.predict,
@@ -92,6 +128,16 @@ class ModelStore:
         if not found.units and not found.closed:
             return Reservation(0.0, False)
         return found
+
+    def reserve_falls_at(self, rule: Rule, subject: bytes, now_us: int) -> int | None:
+        """The earliest time the reserve may shrink with no news from the peers, or None (``hit.lua``'s
+        ``reserve_falls_at``): see :func:`reserve_falls_at`."""
+        if not rule.predict:
+            return None
+        recent = self._peer_counts(rule, subject, now_us)[1]
+        return reserve_falls_at(
+            self.peer_known, recent, self.region, now_us, rule.resolution_us, rule.partition_after_us
+        )
 
     def hit(
         self,
@@ -127,7 +173,10 @@ class ModelStore:
                 retry = predicted_retry(result.retry_after_us, plain.retry_after_us, h.predicted_until_us, now_us)
                 result = dataclasses.replace(result, retry_after_us=retry)
             if h.closed:
-                result = Evaluation(False, result.used, r.resolution_us, result.reset_after_us)
+                result = Evaluation(False, result.used, r.resolution_us, result.reset_after_us, result.stable_us)
+            falls = self.reserve_falls_at(r, subject, now_us) if result.stable_us > 0 else None
+            if falls is not None and falls - now_us < result.stable_us:
+                result = dataclasses.replace(result, stable_us=falls - now_us)
             out.append(result)
         return out
 

@@ -169,6 +169,12 @@ class Evaluation:
     used: int  # units counted in the window, including this request if consumed
     retry_after_us: int  # 0 when allowed; -1 when the cost can never fit
     reset_after_us: int  # until the window holds nothing
+    #: A time during which ``limit - used`` cannot grow with no new traffic (and an
+    #: unchanged ``reserve``): strict mode, until the oldest bucket holding a count
+    #: leaves the window (the whole window when none does); approximate mode, the
+    #: whole window when nothing is counted, until its bucket leaves when one unit
+    #: is, else 0 (the oldest bucket's weight shrinks continuously).
+    stable_us: int = 0
 
 
 def evaluate(
@@ -225,8 +231,31 @@ def evaluate(
     for bucket, total in items:
         if total > 0 and bucket > latest:
             latest = bucket
-    reset_us = 0 if latest < 0 else (latest + n + 1) * resolution_us - now_us
-    return Evaluation(allowed, used, retry_us, max(0, reset_us))
+    reset_us = 0 if latest < 0 else max(0, (latest + n + 1) * resolution_us - now_us)
+    if approximate:
+        stable_us = n * resolution_us if latest < 0 else reset_us if used == 1 else 0
+    else:
+        stable_us = _stable_strict(sums, items, now_us, resolution_us, allowed and consume and cost > 0)
+    return Evaluation(allowed, used, retry_us, reset_us, stable_us)
+
+
+def _stable_strict(
+    sums: list[int], future: Sequence[tuple[int, int]], now_us: int, res: int, consumed: bool
+) -> int:
+    """Strict mode: until the oldest bucket holding a count (``consumed``: the
+    current one holds this request's) leaves the window; the window if none does."""
+    n = len(sums) - 1
+    current = now_us // res
+    oldest = -1
+    for d in range(n, -1, -1):
+        if sums[d] > 0:
+            oldest = current - d
+            break
+    if oldest < 0 and consumed:
+        oldest = current
+    if oldest < 0:
+        oldest = min((b for b, total in future if total > 0), default=-1)
+    return n * res if oldest < 0 else (oldest + n + 1) * res - now_us
 
 
 def _retry_strict(sums: list[int], now_us: int, cost: int, limit: int, res: int, reserve: float = 0.0) -> int:

@@ -20,6 +20,7 @@ from geolimit.errors import RequestError, StorageError
 __all__ = [
     "ESCROW_DENIALS",
     "MAX_COST",
+    "REPLY_PER_RULE",
     "EscrowPlacement",
     "HitRequest",
     "RequestBuilder",
@@ -35,6 +36,9 @@ __all__ = [
 
 #: The largest cost of one request (inclusive): see geolimit.core.window.MAX_COUNT.
 MAX_COST = MAX_COUNT
+#: hit.lua answers, per rule after each request's own flag: allowed, used, retry_us,
+#: reset_us, stable_us (see :func:`decode_hit`).
+REPLY_PER_RULE = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,8 +224,8 @@ def decode_hit(reply: object, requests: Sequence[HitRequest]) -> list[Decision]:
     """Turn ``hit.lua``'s flat integer reply into one :class:`Decision` per request."""
     if not isinstance(reply, list):
         raise StorageError(f"unexpected reply from hit script: {reply!r}")
-    if len(requests) == 1 and len(requests[0].rules) == 1 and len(reply) == 5 and reply[1] >= 0:
-        r = rule_decision(requests[0].rules[0], reply[1], reply[2], reply[3], reply[4])
+    if len(requests) == 1 and len(requests[0].rules) == 1 and len(reply) == 6 and reply[1] >= 0:
+        r = rule_decision(requests[0].rules[0], reply[1], reply[2], reply[3], reply[4], reply[5])
         return [Decision(r.allowed, r.limit, r.remaining, r.retry_after, r.reset_after, r.rule, (r,))]
     out: list[Decision] = []
     i = 0
@@ -233,8 +237,8 @@ def decode_hit(reply: object, requests: Sequence[HitRequest]) -> list[Decision]:
             for rule in request.rules:
                 if reply[i] < 0:
                     reason = ESCROW_DENIALS.get(reply[i], "escrow: denied")
-                results.append(rule_decision(rule, reply[i], reply[i + 1], reply[i + 2], reply[i + 3]))
-                i += 4
+                results.append(rule_decision(rule, reply[i], reply[i + 1], reply[i + 2], reply[i + 3], reply[i + 4]))
+                i += REPLY_PER_RULE
             decision = combine(results)
             if reason is not None:
                 decision.error = reason

@@ -9,7 +9,7 @@ tests/store/test_policy_lua_matches_model.py, which covers these paths).
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from geolimit import Rule
@@ -85,3 +85,68 @@ def test_retry_after_is_at_most_until_the_prediction_expires_and_then_enough(
         assert retry <= max(window_only.retry_after_us, held.predicted_until_us - now)
     wait = max(retry, held.predicted_until_us - now)
     assert model.hit([rule], b"u", cost, now + wait, consume=False)[0].allowed, "waiting it out is enough"
+
+
+def test_stable_for_is_cut_to_when_a_peers_prediction_ends() -> None:
+    """East's counts are 0.4 s old (partition_after 0.5 s): the units predicted for it
+    are gone 0.1 s + 1 us from now, and remaining grows then, long before north's
+    own unit leaves the window."""
+    rule = Rule("api", 20, 10, 1, partition_after=0.5)
+    now = T0 + 10 * SECOND + 600_000
+    model = region(rule, [(6, 0)], known_age_us=400_000, now=now)
+    (got,) = model.hit([rule], b"u", 1, now)
+    assert model.reservation(rule, b"u", now).predicted > 0
+    assert got.stable_us == 100_001
+    (later,) = model.hit([rule], b"u", 0, now + got.stable_us, consume=False)
+    assert later.used < got.used, "the prediction has ended: remaining grew"
+
+
+def test_stable_for_is_cut_to_the_next_boundary_where_a_peers_rate_is_recomputed() -> None:
+    """East's 8 units are in the previous bucket: its rate is recomputed at the next
+    boundary from buckets that no longer hold them, so the reserve falls there (0.4 s
+    from now), although its prediction would last 1.7 s more."""
+    rule = Rule("api", 30, 10, 1, partition_after=2.0)
+    now = T0 + 10 * SECOND + 600_000
+    model = region(rule, [(8, 1)], known_age_us=300_000, now=now)
+    (got,) = model.hit([rule], b"u", 1, now)
+    assert got.stable_us == 400_000
+    (before,) = model.hit([rule], b"u", 0, now + got.stable_us - 1, consume=False)
+    (after,) = model.hit([rule], b"u", 0, now + got.stable_us, consume=False)
+    assert before.used >= got.used > after.used
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    limit=st.integers(1, 30),
+    buckets=st.integers(1, 6),
+    after_ms=st.integers(100, 3000),
+    peer_hits=st.lists(st.tuples(st.integers(1, 20), st.integers(0, 8)), max_size=4),
+    own=st.integers(0, 20),
+    age_us=st.integers(1, 3 * SECOND),
+    into=st.integers(0, SECOND - 1),
+    cost=st.integers(0, 5),
+    approx=st.booleans(),
+    partition=st.sampled_from(["local", "share", "closed"]),
+)
+@example(limit=30, buckets=10, after_ms=2000, peer_hits=[(8, 1)], own=1, age_us=300_000, into=600_000, cost=1,
+         approx=False, partition="share")
+def test_remaining_cannot_grow_within_stable_for_while_peers_are_predicted_for(
+    limit: int, buckets: int, after_ms: int, peer_hits: list[tuple[int, int]], own: int, age_us: int,
+    into: int, cost: int, approx: bool, partition: str,
+) -> None:
+    """With no new traffic and no news from peers, remaining never grows before stable_for ends,
+    whatever the predicted reserve does (it grows within a bucket, may fall at a boundary, and ends)."""
+    rule = Rule("api", limit, buckets, 1, "approximate" if approx else "strict", partition=partition,
+                partition_after=after_ms / 1000)
+    now = T0 + 10 * SECOND + into
+    model = region(rule, peer_hits, age_us, now)
+    if own:
+        model.hit([rule], b"u", min(own, limit), now - 1)
+    (got,) = model.hit([rule], b"u", cost, now)
+    remaining = max(0, limit - got.used)
+    end = now + got.stable_us
+    boundaries = range((now // SECOND + 1) * SECOND, end, SECOND)
+    for at in {now, end - 1, (now + end) // 2, *boundaries, *(b - 1 for b in boundaries)}:
+        if now <= at < end:
+            (later,) = model.hit([rule], b"u", 0, at, consume=False)
+            assert max(0, limit - later.used) <= remaining, (at - now, got)

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from geolimit.core.decision import to_rule_decision
 from geolimit.core.model import ModelStore
 from geolimit.core.rule import Rule
 from geolimit.core.usage import slot_names
@@ -282,3 +283,47 @@ def test_slot_names_skip_unreadable_indexes() -> None:
         b"east/abc": b"0", b"west/x": b"1", b"eu/y": b"2.0", b"ap/z": b"bad", b"sa/w": b"-1", b"us/v": b"1.5",
     }
     assert slot_names(registry) == {0: "east/abc", 1: "west/x", 2: "eu/y"}
+
+
+def test_stable_for_is_until_the_oldest_counted_bucket_leaves() -> None:
+    """Issue 11 §2: units in several buckets; t is exact, not the next bucket boundary."""
+    rule = Rule("api", 3, 10, 1)  # 3 per 10 s, 1 s buckets: N + 1 = 11 buckets counted
+    store = ModelStore("a")
+    second = 1_000_000
+    for at in (200_000, 3 * second + 500_000):
+        (allowed,) = store.hit([rule], SUBJECT, 1, T0 + at)
+        assert allowed.allowed
+    now = T0 + 7 * second + 900_000
+    (last,) = store.hit([rule], SUBJECT, 1, now)
+    assert (last.allowed, rule.limit - last.used) == (True, 0)
+    # Bucket 0 (the 0.2 s unit) leaves the counted window at 11 s: 3.1 s from now.
+    assert last.stable_us == 11 * second - 7 * second - 900_000
+    assert to_rule_decision(rule, last).stable_for == pytest.approx(3.1)
+    (before,) = store.hit([rule], SUBJECT, 1, now + last.stable_us - 1, consume=False)
+    assert not before.allowed, "1 us before: the oldest unit still counts"
+    (at_t,) = store.hit([rule], SUBJECT, 1, now + last.stable_us, consume=False)
+    assert at_t.allowed, "at stable_for: admitted"
+    # A peek at that time: nothing counted before the 3.5 s unit, which leaves at 14 s.
+    assert at_t.stable_us == 3 * second
+
+
+@settings(max_examples=300, deadline=None)
+@given(rules, events, st.integers(0, 4))
+def test_remaining_cannot_grow_within_stable_for_and_strict_grows_right_after(
+    rule: Rule, trace: list[tuple[int, int]], cost: int
+) -> None:
+    store = ModelStore("a")
+    now = T0
+    for gap, c in trace:
+        now += gap
+        store.hit([rule], SUBJECT, c, now)
+    (result,) = store.hit([rule], SUBJECT, cost, now)
+    remaining = max(0, rule.limit - result.used)
+    stable = result.stable_us
+    for at in {now, now + stable // 2, now + stable - 1}:
+        if at >= now:
+            (later,) = store.hit([rule], SUBJECT, 0, at, consume=False)
+            assert max(0, rule.limit - later.used) <= remaining, at - now
+    if rule.mode == "strict" and result.reset_after_us > 0 and rule.limit > 0:
+        (after,) = store.hit([rule], SUBJECT, 0, now + stable, consume=False)
+        assert after.used < result.used, "strict: exact, the oldest counted bucket has left"

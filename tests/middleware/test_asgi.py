@@ -18,7 +18,7 @@ from starlette.routing import Route as StarletteRoute
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
-from geolimit import AsyncLimiter, Limiter, Rule
+from geolimit import AsyncLimiter, Limiter, ManualClock, Rule
 from geolimit.http.guard import LimitSpec, RoutePolicy
 from geolimit.http.keys import CostSpec, KeySpec, Route
 from geolimit.middleware import GeolimitMiddleware, policy
@@ -275,3 +275,26 @@ def test_policy_with_a_multi_rate_string_decides_all_or_nothing(make_limiter: Ca
         assert responses[2].json()["violated-policies"] == ["search.1m"]
         [(_, hour), (_, minute)] = sf_list(responses[2].headers["RateLimit"])
         assert (hour["r"], minute["r"]) == (1, 0), "the denied request consumed nothing of the hour"
+
+
+def test_a_client_told_r0_t_is_denied_before_t_and_admitted_at_t(redis_url: str) -> None:
+    # "api": 3 per 10 s in 1 s buckets. Hits at 0 s, 3 s and 7 s leave r=0; the
+    # oldest (bucket 0) leaves the counted window at 11 s, so t is 4 (not 1, the
+    # next bucket boundary, which was all the script could say before).
+    clock = ManualClock(1_700_000_000.0)
+    sync_limiter = Limiter.from_url(redis_url, region="east", rules=RULES, prefix=prefix(), clock=clock)
+    app = GeolimitMiddleware.simple(raw_app, sync_limiter, rule="api", key="ip")
+    with uvicorn_serving(app, lifespan="off") as url, httpx.Client(base_url=url, trust_env=False) as http:
+        for gap in (0.0, 3.0, 4.0):
+            clock.advance(gap)
+            response = http.get("/x")
+            assert response.status_code == 200
+        [(_, params)] = sf_list(response.headers["RateLimit"])
+        assert (params["r"], params["t"]) == (0, 4)
+        clock.advance_us(params["t"] * 1_000_000 - 1)
+        denied = http.get("/x")
+        assert denied.status_code == 429, "1 us before t: still no quota"
+        assert denied.headers["Retry-After"] == "1"
+        clock.advance_us(1)
+        assert http.get("/x").status_code == 200, "at t: admitted"
+    sync_limiter.close()

@@ -75,6 +75,7 @@ def test_escrow_decisions_match_the_model(
             assert got.remaining == max(0, model.rights - model.used), (model, got)
             expected_retry = model.retry_after_us / 1e6 if model.retry_after_us >= 0 else float("inf")
             assert got.retry_after == pytest.approx(expected_retry, abs=1e-6), (model, got)
+            assert got.results[0].stable_for == pytest.approx(ledger.stable_us(now) / 1e6, abs=1e-6), (model, got)
         elif kind in ("in", "out"):
             assert isinstance(arg, tuple)
             peer, made_under, amount = arg

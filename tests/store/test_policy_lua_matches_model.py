@@ -78,5 +78,8 @@ async def test_decisions_with_peers_match_the_model(
             assert isinstance(rule, Rule)
             got = await limiter.hit(rule.name, subject, arg)  # type: ignore[arg-type]
             (want,) = model.hit([rule], subject, arg, now)  # type: ignore[arg-type]
+            assert got.results[0].stable_for == want.stable_us / 1e6, (rule.name, model.peer_known)
             assert got.results[0] == to_rule_decision(rule, want), (rule.name, model.peer_known)
+            if model.reserve_falls_at(rule, subject, now) is not None:
+                event("stable_for cut to when a predicted reserve may shrink")
             event(f"{rule.name} {'allowed' if got.allowed else 'denied'}")

@@ -23,7 +23,7 @@ from geolimit.core.keys import KeyLayout
 from geolimit.errors import RequestError, StorageError
 from geolimit.http.headers import rate_limit_headers
 from geolimit.server.rls.descriptors import Domain, Limit, match, subject_of
-from geolimit.store.protocol import MAX_COST, HitRequest, RulePlan, decode_hit
+from geolimit.store.protocol import MAX_COST, REPLY_PER_RULE, HitRequest, RulePlan, decode_hit
 
 __all__ = [
     "MAX_DESCRIPTORS", "MAX_ENTRIES", "Answer", "Descriptor", "Result", "Status", "Transaction", "answer",
@@ -35,8 +35,6 @@ MAX_DESCRIPTORS = 64
 MAX_ENTRIES = 32
 #: ``limit_remaining`` of an unlimited descriptor (envoyproxy/ratelimit sends the same).
 UNLIMITED_REMAINING = 2**32 - 1
-#: hit.lua answers 4 integers per rule after each request's own flag (see decode_hit).
-_REPLY_PER_RULE = 4
 
 Result = Literal["ok", "over_limit", "shadow_over_limit", "unlimited", "no_limit"]
 
@@ -177,7 +175,7 @@ def encode_batch(transactions: Sequence[Transaction], now_us: int | None, region
             body += request.args
             keys += request.keys
             nkeys += len(request.keys)
-            reply_at += 1 + _REPLY_PER_RULE * len(request.rules)
+            reply_at += 1 + REPLY_PER_RULE * len(request.rules)
         args += (b"%d" % nkeys, b"%d" % len(tx.requests), b"%d" % len(body), *meta, *body)
     return [b"%d" % len(keys), *keys, *args]
 
@@ -192,7 +190,7 @@ def decode_batch(reply: object, transactions: Sequence[Transaction]) -> list[lis
         i += 1  # the transaction's own flag; answer() recomputes it
         decisions = []
         for request in tx.requests:
-            size = 1 + _REPLY_PER_RULE * len(request.rules)
+            size = 1 + REPLY_PER_RULE * len(request.rules)
             decisions += decode_hit(reply[i : i + size], [request])
             i += size
         out.append(decisions)

@@ -294,7 +294,7 @@ end
 
 -- The decision rule for one key. ``consume``: the request as a whole consumed
 -- cost (every rule allowed it). Times in microseconds; returns
--- allowed, used, retry_after (-1: never), reset_after.
+-- allowed, used, retry_after (-1: never), reset_after, stable (see below).
 local function evaluate(sums, firsts, futs, N, now, cost, limit, res, approx, consume, reserve)
   local c = bucket(now, res)
   local weight = share(firsts[N], c, res, now)
@@ -354,7 +354,26 @@ local function evaluate(sums, firsts, futs, N, now, cost, limit, res, approx, co
     reset = (latest + N + 1) * res - now
     if reset < 0 then reset = 0 end
   end
-  return allowed, used, retry, reset
+  -- stable: a time during which limit - used cannot grow (no new traffic, the
+  -- same reserve). Approximate: the window if nothing counts, until its bucket
+  -- leaves if one unit does, else 0. Strict: until the oldest bucket holding a
+  -- count leaves the window (the window if none does).
+  local stable
+  if approx then
+    if latest < 0 then stable = N * res elseif used == 1 then stable = reset else stable = 0 end
+  else
+    local oldest = -1
+    for d = N, 0, -1 do if sums[d] > 0 then oldest = c - d break end end
+    if oldest < 0 then
+      if allowed and consume and cost > 0 then
+        oldest = c
+      elseif futs then
+        for b, t in pairs(futs) do if t > 0 and (oldest < 0 or b < oldest) then oldest = b end end
+      end
+    end
+    if oldest < 0 then stable = N * res else stable = (oldest + N + 1) * res - now end
+  end
+  return allowed, used, retry, reset, stable
 end
 
 -- retry_after when part of the reserve is predicted for peers (policy local):

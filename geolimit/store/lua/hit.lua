@@ -7,7 +7,8 @@
 --   escrow ('' for a gossip-mode rule, else 'share steps wait_us': this region's share of
 --   the limit, -1 while the regions are unknown; own steps per bucket; how soon rights
 --   from peers can arrive)
--- Returns per request: allowed, then per rule: allowed, used, retry_us, reset_us.
+-- Returns per request: allowed, then per rule: allowed, used, retry_us, reset_us, stable_us
+-- (a time during which limit - used cannot grow with no new traffic and no news from peers).
 -- allowed is 1 or 0, or for an escrow rule denied before its count was looked at:
 -- -1 (the regions are not known yet), -2 (this shard's escrow state is being restored).
 -- Every number written to Redis goes through fmt: a Lua number passed to
@@ -59,9 +60,10 @@ local function escrow_rule(key, reg, limit, res, N, spec, cost, held)
 end
 
 -- The reply of an escrow rule: allowed, used (so that limit - used is what this
--- region may still admit), retry_us, reset_us.
+-- region may still admit), retry_us, reset_us, stable_us (until the oldest own step
+-- that counts stops counting: geolimit.core.escrow.Ledger.stable_us).
 local function escrow_reply(r, cost, consumed)
-  if r.code then return r.code, r.limit, r.retry, 0 end
+  if r.code then return r.code, r.limit, r.retry, 0, 0 end
   local used = r.used
   if consumed then used = used + cost end
   local retry = 0
@@ -73,16 +75,57 @@ local function escrow_reply(r, cost, consumed)
     end
     retry = escrow_retry(r.st.steps, r.cur, r.n, r.step_us, now, r.window, r.rights, cost, r.limit, wait)
   end
-  local latest = -1
+  local latest, exit = -1, nil
+  local took = consumed and cost > 0
   for _, s in pairs(r.st.steps) do
-    if s[2] > 0 and s[3] > latest and escrow_counts(s, r.cur, r.n, now, r.window) then latest = s[3] end
+    if s[2] > 0 and escrow_counts(s, r.cur, r.n, now, r.window) then
+      if s[3] > latest then latest = s[3] end
+      if not (took and s[1] == r.cur) then  -- (this request's step: its last admission is now)
+        local at = s[3] + r.window + 1
+        local edge = (s[1] + r.n) * r.step_us
+        if edge > at then at = edge end
+        if exit == nil or at < exit then exit = at end
+      end
+    end
   end
-  if consumed and cost > 0 then latest = now end
+  if took then
+    latest = now
+    if exit == nil or now + r.window + 1 < exit then exit = now + r.window + 1 end
+  end
   local reset = 0
   if latest >= 0 then reset = latest + r.window + 1 - now end
   local spare = r.rights - used
   if spare < 0 then spare = 0 end
-  return (r.ok and 1 or 0), r.limit - spare, retry, reset
+  return (r.ok and 1 or 0), r.limit - spare, retry, reset, exit and exit - now or r.window
+end
+
+-- When a reserve predicted for peers may first shrink with no news from them, or
+-- nil (geolimit.core.model.reserve_falls_at): a peer with counts in buckets c-1
+-- or c whose counts are stale but at most `after` old is predicted for at a rate
+-- recomputed at the next bucket boundary, and no more from untl + after + 1 on.
+local function reserve_falls_at(info, slots, res, after, now)
+  local owner, known = info[1], info[2]
+  local busy = nil
+  for s, t in pairs(slots) do
+    local r = owner[s]
+    if r and t[2] > 0 then
+      busy = busy or {}
+      busy[r] = true
+    end
+  end
+  if not busy then return nil end
+  local at = nil
+  for r, untl in pairs(known) do
+    local stale = now - untl
+    if busy[r] and r ~= region and stale > 0 and stale <= after then
+      local e = untl + after + 1
+      if at == nil or e < at then at = e end
+    end
+  end
+  if at == nil then return nil end
+  local edge = (bucket(now, res) + 1) * res
+  if edge < at then return edge end
+  return at
 end
 
 -- Record an escrow request: its own step (if admitted) and the units asked for.
@@ -134,11 +177,12 @@ for _ = 1, tonumber(ARGV[4]) do
       local c = bucket(gnow, res)
       local watch = predict or partition > 0
       local sums, futs, h, own, stale, slots, firsts, e = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
-      local reserve, closed, predicted, ends = 0, false, 0, 0
+      local reserve, closed, predicted, ends, falls = 0, false, 0, 0, nil
       if watch and (partition > 0 or has_remote(slots)) then
         info = info or load_peers(reg, peers)
         reserve, closed, predicted, ends = reservation(info, slots or {}, region, limit, res, gnow, predict, partition,
                                                        tonumber(ARGV[ai + 8]))
+        if predict and slots then falls = reserve_falls_at(info, slots, res, tonumber(ARGV[ai + 8]), gnow) end
       end
       -- One rule: evaluate() below answers the same, so skip this pass.
       if closed or (nr > 1 and not admits(sums, futs, firsts, N, gnow, cost, limit, res, approx, reserve)) then
@@ -146,7 +190,7 @@ for _ = 1, tonumber(ARGV[4]) do
       end
       rs[j] = {sums = sums, futs = futs, N = N, limit = limit, res = res, approx = approx, c = c, M = M, ttl = ttl,
                h = h, own = own, stale = stale, reserve = reserve, closed = closed, firsts = firsts, e = e,
-               predicted = predicted, ends = ends}
+               predicted = predicted, ends = ends, falls = falls}
     end
     ai = ai + 10
   end
@@ -188,29 +232,31 @@ for _ = 1, tonumber(ARGV[4]) do
   out[#out + 1] = res_all and 1 or 0
   for j = 1, nr do
     local r = rs[j]
-    local ok, used, retry, reset
+    local ok, used, retry, reset, stable
     if r.escrow then
       if consume and r.st then
         if track == nil then track = track_now() end
         escrow_write(KEYS[ki + j - 1], r, cost, consumed, r.ttl, track, chg)
       end
-      ok, used, retry, reset = escrow_reply(r, cost, consumed)
+      ok, used, retry, reset, stable = escrow_reply(r, cost, consumed)
     elseif single then
-      ok, used, retry, reset = single[1], single[2], single[3], single[4]
+      ok, used, retry, reset, stable = single[1], single[2], single[3], single[4], single[5]
     else
-      ok, used, retry, reset = evaluate(r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res, r.approx,
-                                        consumed, r.reserve)
+      ok, used, retry, reset, stable = evaluate(r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res, r.approx,
+                                                consumed, r.reserve)
       retry = predicted_retry(retry, r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res, r.approx, r.reserve,
                               r.predicted, r.ends)
     end
     if r.closed then
       ok, retry = false, r.res
     end
+    if r.falls and r.falls - gnow < stable then stable = r.falls - gnow end
     if ok == true then ok = 1 elseif ok == false then ok = 0 end
     out[#out + 1] = ok
     out[#out + 1] = used
     out[#out + 1] = retry
     out[#out + 1] = reset
+    out[#out + 1] = stable
   end
   ki = ki + nr
 end
