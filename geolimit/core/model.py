@@ -12,12 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from geolimit.core.gcounter import Cell, KeyState, effective, join, parse_slot_id, slot_id
-from geolimit.core.policy import Reservation, predicted_retry, reserve
+from geolimit.core.policy import Reservation, Rise, predicted_retry, reserve
 from geolimit.core.rule import Rule
 from geolimit.core.window import (
     SUBSTEPS,
     Evaluation,
     bucket_of,
+    count_of,
     evaluate,
     first_offset,
     window_sums,
@@ -36,6 +37,8 @@ class ModelStore:
     #: peer region -> when its counts were last current (what the agent publishes)
     peer_known: dict[str, int] = field(default_factory=dict)
     regions: int = 1
+    #: (rule, subject) -> slot id -> the last update of that slot that raised the key (``merge.lua``'s 'p' fields)
+    rises: dict[tuple[str, bytes], dict[str, Rise]] = field(default_factory=dict)
 
     @property
     def own_slot(self) -> str:
@@ -69,8 +72,6 @@ class ModelStore:
         state = self.keys.get((rule.name, subject), {})
         current = bucket_of(now_us, rule.resolution_us)
         counts: dict[str, int] = {}
-        recent: dict[str, int] = {}
-        latest: dict[str, int] = {}
         for bucket, slots in state.items():
             delta = current - bucket
             if not 0 <= delta <= rule.buckets:
@@ -80,13 +81,13 @@ class ModelStore:
                 if region == self.region:
                     continue
                 counts[region] = counts.get(region, 0) + cell.effective
-                if delta <= 1:
-                    recent[region] = recent.get(region, 0) + cell.effective
-                if delta == 0:
-                    latest[region] = latest.get(region, 0) + cell.effective
+        rises: dict[str, list[Rise]] = {}
+        for slot, rise in self.rises.get((rule.name, subject), {}).items():
+            region = parse_slot_id(slot)[0]
+            if region != self.region:
+                rises.setdefault(region, []).append(rise)
         found = reserve(
-            limit=rule.limit, resolution_us=rule.resolution_us, now_us=now_us, counts=counts,
-            recent=recent, latest=latest, known_until=self.peer_known, regions=self.regions, predict=rule.predict,
+            limit=rule.limit, now_us=now_us, counts=counts, rises=rises, known_until=self.peer_known, regions=self.regions, predict=rule.predict,
             partition=rule.partition, partition_after_us=rule.partition_after_us,
         )
         if not found.units and not found.closed:
@@ -143,7 +144,24 @@ class ModelStore:
                     for slot, cell in slots.items():
                         slots[slot] = Cell(cell.value, max(cell.floor, cell.value))
 
-    def merge(self, rule: str, subject: bytes, other: KeyState) -> None:
-        """Join a replicated key state into this region's copy."""
+    def merge(self, rule: str, subject: bytes, other: KeyState, now_us: int | None = None, gap_us: int = 0) -> None:
+        """Join a replicated key state into this region's copy.
+
+        An update of a peer (``now_us``: when it is merged; ``gap_us`` > 0: the time
+        since that peer's previous update) records, per peer slot whose count rose,
+        a :class:`Rise` for prediction, as ``merge.lua`` does for deltas. (Unlike
+        ``merge.lua``, cells outside the rule's window count too.)
+        """
         key = (rule, subject)
-        self.keys[key] = join(self.keys.get(key, {}), other)
+        old = self.keys.get(key, {})
+        if now_us is not None and gap_us > 0:
+            rose: dict[str, int] = {}
+            for bucket, slots in other.items():
+                for slot, cell in slots.items():
+                    before = old.get(bucket, {}).get(slot, Cell()).value
+                    if cell.value > before and parse_slot_id(slot)[0] != self.region:
+                        rose[slot] = rose.get(slot, 0) + count_of(cell.value) - count_of(before)
+            for slot, units in rose.items():
+                if units > 0:
+                    self.rises.setdefault(key, {})[slot] = Rise(now_us, units, gap_us)
+        self.keys[key] = join(old, other)

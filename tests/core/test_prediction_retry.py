@@ -22,11 +22,19 @@ SECOND = 1_000_000
 
 
 def region(rule: Rule, peer_hits: list[tuple[int, int]], known_age_us: int, now: int) -> ModelStore:
-    """This region, having heard of ``(hits, seconds ago)`` from peer "east", whose counts are ``known_age_us`` old."""
+    """This region, having heard of ``(hits, seconds ago)`` from peer "east", whose counts are ``known_age_us`` old.
+
+    Each of east's updates came a tenth of a second after its previous one; those
+    it sent after its counts were last current (``ago`` at most the age) are what
+    prediction reserves for.
+    """
     model = ModelStore("north", regions=3)
-    for hits, ago in peer_hits:
+    totals: dict[int, int] = {}
+    for hits, ago in sorted(peer_hits, key=lambda h: -h[1]):  # oldest first
         bucket = (now - ago * SECOND) // rule.resolution_us
-        model.merge(rule.name, b"u", {bucket: {"east/i1": Cell(hits * SUBSTEPS, 0)}})
+        totals[bucket] = totals.get(bucket, 0) + hits
+        model.merge(rule.name, b"u", {bucket: {"east/i1": Cell(totals[bucket] * SUBSTEPS, 0)}},
+                    now_us=now - ago * SECOND, gap_us=SECOND // 10)
     model.peer_known = {"east": now - known_age_us, "west": now}
     return model
 

@@ -124,12 +124,12 @@ for _ = 1, tonumber(ARGV[4]) do
       local partition = tonumber(ARGV[ai + 7])
       local c = bucket(now, res)
       local watch = predict or partition > 0
-      local sums, futs, h, own, stale, slots, firsts, e = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
+      local sums, futs, h, own, stale, slots, firsts, e, rises = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
       local reserve, closed, predicted, ends = 0, false, 0, 0
-      if watch and (partition > 0 or has_remote(slots)) then
+      if watch and (partition > 0 or has_remote(slots) or has_remote(rises)) then
         info = info or load_peers(reg, peers)
-        reserve, closed, predicted, ends = reservation(info, slots or {}, region, limit, res, now, predict, partition,
-                                                       tonumber(ARGV[ai + 8]))
+        reserve, closed, predicted, ends = reservation(info, slots or {}, rises or {}, region, limit, now, predict,
+                                                       partition, tonumber(ARGV[ai + 8]))
       end
       -- One rule: evaluate() below answers the same, so skip this pass.
       if closed or (nr > 1 and not admits(sums, futs, firsts, N, now, cost, limit, res, approx, reserve)) then
