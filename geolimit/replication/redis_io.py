@@ -139,7 +139,7 @@ class ReplicationStore:
         for name in names:
             r = self.rules[name]
             out += (name.encode(), b"%d" % r.resolution_us, b"%d" % r.buckets, b"%d" % r.ring,
-                    b"%d" % r.future, b"%d" % r.ttl_ms)
+                    b"%d" % r.future, b"%d" % r.ttl_ms, b"1" if r.predict else b"0")
         return out
 
     def _clock_arg(self) -> bytes:

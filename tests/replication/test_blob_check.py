@@ -87,7 +87,7 @@ async def lua_reason(store: ReplicationStore, body: bytes) -> str | None:
     args = [b"1", store.layout.registry_key(0), b"%d" % CLOCK.now_us(), b"r", b"n0", b"0", b"delta",
             b"%d" % lim.blob_cells, b"%d" % lim.new_slots, b"%d" % lim.max_slots, b"3", b"r", b"p1", b"p2",
             b"1", b"api", b"%d" % API.resolution_us, b"%d" % API.buckets, b"%d" % API.ring, b"%d" % API.future,
-            b"%d" % API.ttl_ms, b"0", body]
+            b"%d" % API.ttl_ms, b"1", b"0", body]
     [reply] = await store.store.run_many(redis_io._MERGE, [args])
     return None if int(reply[0]) == 1 else bytes(reply[1]).decode()
 

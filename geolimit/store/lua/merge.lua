@@ -2,7 +2,7 @@
 -- KEYS: registry
 -- ARGV: now_us|'', region, nonce, apply, mode ('delta'|'repair'), max_cells,
 --       max_new_slots, max_slots, nregions, regions..., nrules, per rule: name,
---       res_us, N, M, F, ttl_ms, nrelay, relay peers..., blob, gap_us (optional)
+--       res_us, N, M, F, ttl_ms, predict (1|0), nrelay, relay peers..., blob, gap_us (optional)
 -- The blob is msgpack [slots, keys, counts, cells] (see pack.lua): keys[i] is
 -- 'rule:subject', counts[i] its number of cells, and cells is flat bucket,
 -- slot_ref, value, floor in key order.
@@ -21,7 +21,7 @@
 -- future). Keys whose state rose are queued, every slot from the lowest raised
 -- bucket, in the outboxes of the relay peers.
 -- gap_us > 0 (a delta: the time since the sender's previous update) records, for
--- prediction, each peer slot's rise in the key: field 'p<slot index>' =
+-- prediction (rules that predict only), each peer slot's rise in the key: field 'p<slot index>' =
 -- 'now:units:gap_us', units what the slot's count rose by (see
 -- geolimit.core.policy.Rise; readers of cells skip non-numeric field names).
 local now = clock(ARGV[1])
@@ -36,10 +36,11 @@ local rules = {}
 local nrules = tonumber(ARGV[a])
 a = a + 1
 for _ = 1, nrules do
-  local res = tonumber(ARGV[a + 1])  -- res, N, M, F, ttl_ms, the current bucket, passed() cache
+  -- res, N, M, F, ttl_ms, the current bucket, passed() cache, [8] read whole (set below), [9] predict
+  local res = tonumber(ARGV[a + 1])
   rules[ARGV[a]] = {res, tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]),
-                    bucket(now, res), {}}
-  a = a + 6
+                    bucket(now, res), {}, false, ARGV[a + 6] == '1'}
+  a = a + 7
 end
 local relay = {}
 for _ = 1, tonumber(ARGV[a]) do relay[#relay + 1] = ARGV[a + 1] a = a + 1 end
@@ -278,7 +279,7 @@ for i = 1, n do
   local spec, last = specs[i], o + 4 * m
   if spec then
     local key = tag .. ':' .. keys[i]
-    local N, M, F, ttl, c = spec[2], spec[3], spec[4], spec[5], spec[6]
+    local N, M, F, ttl, c, rises = spec[2], spec[3], spec[4], spec[5], spec[6], stamp and spec[9]
     local k, maxb = 0, nil
     for j = o + 1, last, 4 do
       local b, r = cells[j], cells[j + 1]
@@ -423,7 +424,7 @@ for i = 1, n do
             inc = inc + 1
             if not lowest or b < lowest then lowest = b end
             local f = cf[q]
-            if stamp and v > v0 and f >= M then  -- a peer slot's count may have risen
+            if rises and v > v0 and f >= M then  -- a peer slot's count may have risen
               local add = (v - v % SUB) / SUB - (v0 - v0 % SUB) / SUB
               if add > 0 then
                 local x = (f - f % M) / M
