@@ -125,9 +125,14 @@ local function load_window(key, c, N, M, per_slot, approx)
     local raw = f and (f < 0 and -f - 1 or f)
     if not f then
       if rises and string.byte(fs, 1) == 112 then  -- 'p': a slot's last rise
-        local s = tonumber(string.sub(fs, 2))
-        local at, units, gap = string.match(flat[i + 1], '^(%d+):(%d+):(%d+)$')
-        if s and at and tonumber(gap) > 0 then rises[s] = {tonumber(at), tonumber(units), tonumber(gap)} end
+        local v, find, sub = flat[i + 1], string.find, string.sub
+        local c1 = find(v, ':', 1, true)
+        local c2 = c1 and find(v, ':', c1 + 1, true)
+        if c2 then
+          local s, at, units, gap = tonumber(sub(fs, 2)), tonumber(sub(v, 1, c1 - 1)), tonumber(sub(v, c1 + 1, c2 - 1)),
+                                    tonumber(sub(v, c2 + 1))
+          if s and at and units and gap and gap > 0 then rises[s] = {at, units, gap} end
+        end
       end
     elseif raw and h - (h - raw % M) % M <= old then
       stale[#stale + 1] = fs
