@@ -22,9 +22,8 @@ class RuleDecision:
     a time during which ``remaining`` cannot grow with no new traffic and no news
     from peers (the headers' ``t``). In strict mode it is exact: until the oldest
     bucket holding a count leaves the window (the whole window when none does),
-    cut to when a reserve predicted for peers may shrink (the next bucket
-    boundary or the end of a peer's prediction, see
-    :func:`geolimit.core.model.reserve_falls_at`); a denied rule counting more
+    cut to when a reserve predicted for peers may shrink (the first end of a
+    peer's prediction, :attr:`geolimit.core.policy.Reservation.falls_at_us`); a denied rule counting more
     than its limit keeps ``remaining`` at 0 longer. In approximate mode it is 0
     (the oldest bucket's weight shrinks continuously) unless nothing (the whole
     window) or one unit (until its bucket leaves) is counted. Escrow rules: until

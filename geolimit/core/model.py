@@ -8,51 +8,23 @@ it and a whole multi-region cluster can be simulated without Redis.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from geolimit.core.gcounter import Cell, KeyState, effective, join, parse_slot_id, slot_id
-from geolimit.core.policy import Reservation, predicted_retry, reserve
+from geolimit.core.policy import Reservation, Rise, predicted_retry, reserve
 from geolimit.core.rule import Rule
 from geolimit.core.window import (
     SUBSTEPS,
     Evaluation,
     bucket_of,
+    count_of,
     evaluate,
     first_offset,
     window_sums,
 )
 
-__all__ = ["ModelStore", "reserve_falls_at"]
-
-
-def reserve_falls_at(
-    known_until: Mapping[str, int], recent: Mapping[str, int], own_region: str, now_us: int, resolution_us: int,
-    partition_after_us: int,
-) -> int | None:
-    """When a reserve predicted for peers (``Rule.predict``) may first shrink with no news from them.
-
-    A peer is predicted for while its counts are stale but at most
-    ``partition_after`` old, at ``rate * staleness``, which only grows within a
-    bucket; but its rate is recomputed at every bucket boundary (from counts
-    that may have left buckets ``c-1`` and ``c``), and 1 us after its counts are
-    ``partition_after`` old its prediction ends (replaced by nothing, the
-    ``share`` policy's fair share, or a ``closed`` denial). So with a peer whose
-    prediction is above 0 (it has counts in ``c-1`` or ``c``), the reserve may
-    shrink at the next bucket boundary or at the first such end, whichever
-    comes first; None if no peer is predicted for. ``recent``: each peer
-    region's count in buckets ``c-1`` and ``c``.
-    """
-    at: int | None = None
-    for region, until in known_until.items():
-        stale = now_us - until
-        if region != own_region and recent.get(region, 0) > 0 and 0 < stale <= partition_after_us:
-            end = until + partition_after_us + 1
-            at = end if at is None or end < at else at
-    if at is None:
-        return None
-    edge = (now_us // resolution_us + 1) * resolution_us
-    return edge if edge < at else at
+__all__ = ["ModelStore"]
 
 
 @dataclass
@@ -65,6 +37,8 @@ class ModelStore:
     #: peer region -> when its counts were last current (what the agent publishes)
     peer_known: dict[str, int] = field(default_factory=dict)
     regions: int = 1
+    #: (rule, subject) -> slot id -> the last update of that slot that raised the key (``merge.lua``'s 'p' fields)
+    rises: dict[tuple[str, bytes], dict[str, Rise]] = field(default_factory=dict)
 
     @property
     def own_slot(self) -> str:
@@ -91,15 +65,13 @@ class ModelStore:
                         out[delta] = min(out[delta], cell.value % SUBSTEPS)
         return out
 
-    def _peer_counts(
-        self, rule: Rule, subject: bytes, now_us: int
-    ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-        """Each peer region's count in the window, in buckets ``c-1`` and ``c``, and in ``c``."""
+    def reservation(self, rule: Rule, subject: bytes, now_us: int) -> Reservation:
+        """Units set aside for peers, and whether policy ``closed`` denies."""
+        if not (rule.predict or rule.partition != "local"):
+            return Reservation(0.0, False)
         state = self.keys.get((rule.name, subject), {})
         current = bucket_of(now_us, rule.resolution_us)
         counts: dict[str, int] = {}
-        recent: dict[str, int] = {}
-        latest: dict[str, int] = {}
         for bucket, slots in state.items():
             delta = current - bucket
             if not 0 <= delta <= rule.buckets:
@@ -109,20 +81,13 @@ class ModelStore:
                 if region == self.region:
                     continue
                 counts[region] = counts.get(region, 0) + cell.effective
-                if delta <= 1:
-                    recent[region] = recent.get(region, 0) + cell.effective
-                if delta == 0:
-                    latest[region] = latest.get(region, 0) + cell.effective
-        return counts, recent, latest
-
-    def reservation(self, rule: Rule, subject: bytes, now_us: int) -> Reservation:
-        """Units set aside for peers, and whether policy ``closed`` denies."""
-        if not (rule.predict or rule.partition != "local"):
-            return Reservation(0.0, False)
-        counts, recent, latest = self._peer_counts(rule, subject, now_us)
+        rises: dict[str, list[Rise]] = {}
+        for slot, rise in self.rises.get((rule.name, subject), {}).items():
+            region = parse_slot_id(slot)[0]
+            if region != self.region:
+                rises.setdefault(region, []).append(rise)
         found = reserve(
-            limit=rule.limit, resolution_us=rule.resolution_us, now_us=now_us, counts=counts,
-            recent=recent, latest=latest, known_until=self.peer_known, regions=self.regions, predict=rule.predict,
+            limit=rule.limit, now_us=now_us, counts=counts, rises=rises, known_until=self.peer_known, regions=self.regions, predict=rule.predict,
             partition=rule.partition, partition_after_us=rule.partition_after_us,
         )
         if not found.units and not found.closed:
@@ -130,14 +95,9 @@ class ModelStore:
         return found
 
     def reserve_falls_at(self, rule: Rule, subject: bytes, now_us: int) -> int | None:
-        """The earliest time the reserve may shrink with no news from the peers, or None (``hit.lua``'s
-        ``reserve_falls_at``): see :func:`reserve_falls_at`."""
-        if not rule.predict:
-            return None
-        recent = self._peer_counts(rule, subject, now_us)[1]
-        return reserve_falls_at(
-            self.peer_known, recent, self.region, now_us, rule.resolution_us, rule.partition_after_us
-        )
+        """The earliest time the reserve may shrink with no news from the peers, or None
+        (``hit.lua``: ``reservation()``'s fifth value; :attr:`Reservation.falls_at_us`)."""
+        return self.reservation(rule, subject, now_us).falls_at_us
 
     def hit(
         self,
@@ -192,7 +152,24 @@ class ModelStore:
                     for slot, cell in slots.items():
                         slots[slot] = Cell(cell.value, max(cell.floor, cell.value))
 
-    def merge(self, rule: str, subject: bytes, other: KeyState) -> None:
-        """Join a replicated key state into this region's copy."""
+    def merge(self, rule: str, subject: bytes, other: KeyState, now_us: int | None = None, gap_us: int = 0) -> None:
+        """Join a replicated key state into this region's copy.
+
+        An update of a peer (``now_us``: when it is merged; ``gap_us`` > 0: the time
+        since that peer's previous update) records, per peer slot whose count rose,
+        a :class:`Rise` for prediction, as ``merge.lua`` does for deltas. (Unlike
+        ``merge.lua``, cells outside the rule's window count too.)
+        """
         key = (rule, subject)
-        self.keys[key] = join(self.keys.get(key, {}), other)
+        old = self.keys.get(key, {})
+        if now_us is not None and gap_us > 0:
+            rose: dict[str, int] = {}
+            for bucket, slots in other.items():
+                for slot, cell in slots.items():
+                    before = old.get(bucket, {}).get(slot, Cell()).value
+                    if cell.value > before and parse_slot_id(slot)[0] != self.region:
+                        rose[slot] = rose.get(slot, 0) + count_of(cell.value) - count_of(before)
+            for slot, units in rose.items():
+                if units > 0:
+                    self.rises.setdefault(key, {})[slot] = Rise(now_us, units, gap_us)
+        self.keys[key] = join(old, other)

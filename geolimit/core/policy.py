@@ -5,10 +5,11 @@ budget for what its peers have probably admitted since it last heard from them:
 
 * **prediction** (``Rule.predict``): a peer that is still in contact is assumed
   to keep admitting at its recent rate for as long as its counts are stale:
-  ``reserve += rate * staleness``. The rate is its count in the last two buckets
-  over the time they span up to its freshness, or, if higher, its rate so far in
-  the current bucket (when capacity frees up, peers admit at their demand rate,
-  which the throttled past underestimates);
+  ``reserve += rate * staleness``. The rate comes from the peer's last update
+  that raised the key (a :class:`Rise`, recorded by ``merge.lua``): what its count
+  rose by over the time since its previous update. A peer whose counts were
+  current after that rise arrived (``known_until > Rise.at_us``) did not admit
+  since: it has stopped on the key and is reserved nothing;
 * **partition policy** (``Rule.partition``), for a peer whose counts are older
   than ``Rule.partition_after``:
 
@@ -24,12 +25,34 @@ were last current (in the clock decisions use) and how many regions there are.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["PARTITION_POLICIES", "Reservation", "predicted_retry", "reserve"]
+__all__ = ["PARTITION_POLICIES", "Reservation", "Rise", "predicted_rate", "predicted_retry", "reserve"]
 
 PARTITION_POLICIES = ("local", "share", "closed")
+
+
+@dataclass(frozen=True, slots=True)
+class Rise:
+    """The last update of a peer (one slot) that raised a key's count."""
+
+    at_us: int  # when it was merged (the clock decisions use)
+    units: int  # what the slot's count rose by
+    gap_us: int  # the time between that update and the peer's previous one (> 0)
+
+
+def predicted_rate(rises: Sequence[Rise], until_us: int) -> float:
+    """A peer's predicted rate (units per µs) from its slots' last rises of a key.
+
+    A rise that arrived before the peer's counts were last current (``until_us``)
+    is over: the peer's updates since showed no new admission.
+    """
+    rate = 0.0
+    for rise in rises:
+        if rise.at_us >= until_us:
+            rate += rise.units / rise.gap_us
+    return rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +61,9 @@ class Reservation:
     closed: bool  # a partitioned peer and policy "closed": deny
     predicted: float = 0.0  # the part of ``units`` predicted from peers' rates (policy "local" only)
     predicted_until_us: int = 0  # when, with no news from the peers, that prediction is gone
+    #: When, with no news from the peers, ``units`` may first shrink (None: never before
+    #: news): the first end of a peer's prediction above 0 (before it, ``rate * stale`` only grows).
+    falls_at_us: int | None = None
 
 
 def predicted_retry(retry_us: int, plain_retry_us: int, predicted_until_us: int, now_us: int) -> int:
@@ -57,11 +83,9 @@ def predicted_retry(retry_us: int, plain_retry_us: int, predicted_until_us: int,
 def reserve(
     *,
     limit: int,
-    resolution_us: int,
     now_us: int,
     counts: Mapping[str, int],
-    recent: Mapping[str, int],
-    latest: Mapping[str, int],
+    rises: Mapping[str, Sequence[Rise]],
     known_until: Mapping[str, int],
     regions: int,
     predict: bool,
@@ -70,17 +94,15 @@ def reserve(
 ) -> Reservation:
     """What to reserve for peers.
 
-    ``counts``/``recent``/``latest`` are each peer region's count in the window,
-    in the last two buckets (``c-1`` and ``c``) and in the current bucket;
-    ``known_until`` maps every peer to the time its counts were last current;
+    ``counts`` is each peer region's count in the window, ``rises`` the last rise
+    of each of its slots (see :func:`predicted_rate`); ``known_until`` maps every peer to the time its counts were last current;
     ``regions`` counts all regions.
     """
     units = 0.0
     closed = False
     predicted = 0.0
     ends = 0
-    current = now_us // resolution_us
-    start = (current - 1) * resolution_us
+    falls: int | None = None
     for region, until in known_until.items():
         stale = now_us - until if now_us > until else 0
         if stale > partition_after_us:
@@ -92,19 +114,13 @@ def reserve(
                 if fair > have:
                     units += fair - have
         elif predict and stale > 0:
-            span: float = until - start
-            if span < resolution_us / 2:
-                span = resolution_us / 2
-            rate = recent.get(region, 0) / span
-            into = until - (start + resolution_us)
-            if into > resolution_us / 10:
-                now_rate = latest.get(region, 0) / into
-                if now_rate > rate:
-                    rate = now_rate
+            rate = predicted_rate(rises.get(region, ()), until)
             units += rate * stale
             predicted += rate * stale
             # Once its counts are older than partition_after, a peer is no longer predicted for.
             ends = max(ends, until + partition_after_us + 1)
+            if rate > 0 and (falls is None or until + partition_after_us + 1 < falls):
+                falls = until + partition_after_us + 1
     if partition != "local":
         predicted, ends = 0.0, 0  # the share/closed policy takes over afterwards: no cap
-    return Reservation(units, closed, predicted, ends)
+    return Reservation(units, closed, predicted, ends, falls)

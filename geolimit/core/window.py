@@ -332,7 +332,7 @@ def read_key(
     floors: dict[int, int] = {}
     stale: list[bytes] = []
     for name, raw in fields.items():
-        if name in (b"h", b"e"):  # the head and the expiry mark (see common.lua)
+        if name in (b"h", b"e") or name[:1] == b"p":  # the head, the expiry mark, a peer's last rise (common.lua)
             continue
         f = parse_stored_int(name, signed=True)
         if f is None:

@@ -129,15 +129,32 @@ class Receiver:
             raise ProtocolError(f"unexpected message kind {msg.kind!r}")
         reply = self.message("ack", peer.name)
         if msg.kind == "delta":
-            await self._merge(peer, msg, admit)
+            await self._merge(peer, msg, self.update_gap(peer, msg), admit)
         else:
             reply.ae = await self.repair.ae.handle(peer.name, msg.ae, admit)
         peer.last_heard = now
         self.note_reach(peer, msg, now)
         return reply
 
+    def update_gap(self, peer: PeerState, msg: wire.Message) -> int:
+        """The time (µs) between ``peer``'s delta ``msg`` and its previous one, for prediction.
+
+        Measured on the sender's clock (``now_us``), so latency and skew do not
+        enter. At least one gossip interval: the peer drains its changes once a
+        round, so a message that follows another within one (the rest of a backlog,
+        or one overtaken in flight) still carries a round's worth of them.
+        """
+        floor = int(self.settings.interval * 1_000_000)
+        previous = peer.update_us
+        if msg.now_us > previous:
+            peer.update_us = msg.now_us
+        if not previous or msg.now_us <= previous:
+            return floor
+        return max(floor, msg.now_us - previous)
+
     async def _merge(
-        self, peer: PeerState, msg: wire.Message, admit: Callable[[], Awaitable[object]] | None = None
+        self, peer: PeerState, msg: wire.Message, gap_us: int,
+        admit: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         if not msg.blobs:
             if admit is not None:
@@ -151,7 +168,7 @@ class Receiver:
                         self.region, msg.sender, mismatched)
         relay = self.relays(peer, msg)
         try:
-            merged = await self.store.merge_blobs(msg.blobs, peer.name, relay, accepted, admit)
+            merged = await self.store.merge_blobs(msg.blobs, peer.name, relay, accepted, admit, gap_us=gap_us)
         except ProtocolError:
             self.stats["refused"] += 1
             raise

@@ -33,6 +33,7 @@ class PeerState:
     name: str
     last_ok: float | None = None
     last_heard: float | None = None
+    update_us: int = 0  # the sender's clock (Message.now_us) of its latest delta here (0: none yet)
     last_attempt: float | None = None
     failures: int = 0
     errors: int = 0

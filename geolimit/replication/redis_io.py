@@ -154,7 +154,7 @@ class ReplicationStore:
         for name in names:
             r = self.rules[name]
             out += (name.encode(), b"%d" % r.resolution_us, b"%d" % r.buckets, b"%d" % r.ring,
-                    b"%d" % r.future, b"%d" % r.ttl_ms)
+                    b"%d" % r.future, b"%d" % r.ttl_ms, b"1" if r.predict else b"0")
         return out
 
     def _clock_arg(self) -> bytes:
@@ -263,6 +263,7 @@ class ReplicationStore:
         admit: Callable[[], Awaitable[object]] | None = None,
         *,
         repair: bool = False,
+        gap_us: int = 0,
     ) -> MergeResult:
         """Validate every blob, then max-merge them; nothing is written unless all pass.
 
@@ -277,6 +278,10 @@ class ReplicationStore:
         after a Redis failover or a restore from a snapshot lost this region's
         latest writes, so peers legitimately hold more) such cells are skipped,
         never written, and counted in :attr:`MergeResult.own_ahead`; the rest is merged.
+
+        ``gap_us`` > 0 says the blobs are an update of ``source`` that came ``gap_us``
+        after its previous one: each key records, per peer slot whose count rose,
+        the rise and when, for prediction (:class:`geolimit.core.policy.Rise`).
         """
         if not blobs:
             if admit is not None:
@@ -292,7 +297,8 @@ class ReplicationStore:
             head = [self._clock_arg(), self._region_b, self._nonce, apply, mode, b"%d" % lim.blob_cells,
                     b"%d" % lim.new_slots, b"%d" % lim.max_slots, b"%d" % lim.park_cells,
                     b"%d" % round(lim.park_seconds * 1_000_000), *regions, *rule_args, *relay]
-            return [[b"1", self._registry(shard), *head, blob] for shard, blob in bodies]
+            tail = [b"%d" % gap_us] if apply != b"0" and gap_us > 0 else []
+            return [[b"1", self._registry(shard), *head, blob, *tail] for shard, blob in bodies]
 
         checks: list[Blob] = []
         for shard, blob in blobs:

@@ -22,11 +22,19 @@ SECOND = 1_000_000
 
 
 def region(rule: Rule, peer_hits: list[tuple[int, int]], known_age_us: int, now: int) -> ModelStore:
-    """This region, having heard of ``(hits, seconds ago)`` from peer "east", whose counts are ``known_age_us`` old."""
+    """This region, having heard of ``(hits, seconds ago)`` from peer "east", whose counts are ``known_age_us`` old.
+
+    Each of east's updates came a tenth of a second after its previous one; those
+    it sent after its counts were last current (``ago`` at most the age) are what
+    prediction reserves for.
+    """
     model = ModelStore("north", regions=3)
-    for hits, ago in peer_hits:
+    totals: dict[int, int] = {}
+    for hits, ago in sorted(peer_hits, key=lambda h: -h[1]):  # oldest first
         bucket = (now - ago * SECOND) // rule.resolution_us
-        model.merge(rule.name, b"u", {bucket: {"east/i1": Cell(hits * SUBSTEPS, 0)}})
+        totals[bucket] = totals.get(bucket, 0) + hits
+        model.merge(rule.name, b"u", {bucket: {"east/i1": Cell(totals[bucket] * SUBSTEPS, 0)}},
+                    now_us=now - ago * SECOND, gap_us=SECOND // 10)
     model.peer_known = {"east": now - known_age_us, "west": now}
     return model
 
@@ -101,18 +109,19 @@ def test_stable_for_is_cut_to_when_a_peers_prediction_ends() -> None:
     assert later.used < got.used, "the prediction has ended: remaining grew"
 
 
-def test_stable_for_is_cut_to_the_next_boundary_where_a_peers_rate_is_recomputed() -> None:
-    """East's 8 units are in the previous bucket: its rate is recomputed at the next
-    boundary from buckets that no longer hold them, so the reserve falls there (0.4 s
-    from now), although its prediction would last 1.7 s more."""
+def test_stable_for_is_not_cut_for_a_peer_that_stopped() -> None:
+    """East's 8 units rose 1 s ago, and its counts were current 0.3 s ago with no rise
+    since: it stopped, nothing is predicted for it, and ``t`` runs until its bucket
+    leaves the window (9.4 s), not to a bucket boundary or the end of a prediction."""
     rule = Rule("api", 30, 10, 1, partition_after=2.0)
     now = T0 + 10 * SECOND + 600_000
     model = region(rule, [(8, 1)], known_age_us=300_000, now=now)
+    assert model.reservation(rule, b"u", now).units == 0
     (got,) = model.hit([rule], b"u", 1, now)
-    assert got.stable_us == 400_000
+    assert got.stable_us == 9_400_000
     (before,) = model.hit([rule], b"u", 0, now + got.stable_us - 1, consume=False)
     (after,) = model.hit([rule], b"u", 0, now + got.stable_us, consume=False)
-    assert before.used >= got.used > after.used
+    assert before.used == got.used > after.used
 
 
 @settings(max_examples=300, deadline=None)

@@ -88,7 +88,7 @@ async def lua_reason(store: ReplicationStore, body: bytes) -> str | None:
             b"%d" % lim.blob_cells, b"%d" % lim.new_slots, b"%d" % lim.max_slots, b"%d" % lim.park_cells,
             b"%d" % round(lim.park_seconds * 1_000_000), b"3", b"r", b"p1", b"p2",
             b"1", b"api", b"%d" % API.resolution_us, b"%d" % API.buckets, b"%d" % API.ring, b"%d" % API.future,
-            b"%d" % API.ttl_ms, b"0", body]
+            b"%d" % API.ttl_ms, b"1", b"0", body]
     [reply] = await store.store.run_many(redis_io._MERGE, [args])
     return None if int(reply[0]) == 1 else bytes(reply[1]).decode()
 

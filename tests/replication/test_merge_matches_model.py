@@ -76,7 +76,8 @@ async def test_merged_state_is_the_join_of_every_cell_in_the_window(
         CLOCK.advance(moves[n % len(moves)])
         now = CLOCK.now_us() // RULE.resolution_us
         batch = [(name, s, now + offset, slot, v, f) for name, s, offset, slot, v, f in deliveries[start : start + 7]]
-        await store.merge_blobs(blobs_from_cells(store.layout, batch), "p1")
+        # every other message as a delta (gap_us): it also records rises for prediction, never a cell
+        await store.merge_blobs(blobs_from_cells(store.layout, batch), "p1", gap_us=(n % 2) * 100_000)
         for name, subject, bucket, slot, value, floor in batch:
             rule = RULES[name]
             if now - rule.buckets <= bucket <= now + rule.future and (value or floor):

@@ -1,4 +1,10 @@
-"""With remote counts, peer freshness and partition policies, Lua still decides like the model."""
+"""With remote counts, peer freshness and partition policies, Lua still decides like the model.
+
+Remote updates carry a gap (the time since the peer's previous update; 0: a
+repair, which records no rise), so the rate estimate of prediction (the last
+rise of each peer slot, ``merge.lua``'s 'p' fields) and the "stopped" rule
+(a rise older than the peer's freshness counts nothing) are compared too.
+"""
 
 from __future__ import annotations
 
@@ -23,17 +29,22 @@ RULES = [
     Rule("local", 12, 4, 1, predict=False),
 ]
 PEERS = ["east", "west"]
+PICK = st.sampled_from([RULES[0], *RULES])  # "pred" twice as often: prediction needs a remote rise and a hit on it
+SLOTS = ["east/i1", "west/i1", "east/i2"]  # east has two incarnations: their rates add up
 
+ages = st.one_of(st.integers(0, 300_000), st.integers(0, 2_000_000))  # within partition_after, or not
 gaps = st.one_of(st.integers(0, 50_000), st.integers(0, 50_000), st.integers(0, 1_500_000))
+freshness = st.tuples(st.just("ages"), gaps, st.just(None), st.tuples(ages, ages))
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("hit"), gaps, st.sampled_from(RULES), st.integers(0, 4)),
-        st.tuples(st.just("remote"), gaps, st.sampled_from(RULES), st.tuples(st.sampled_from(PEERS), st.integers(1, 6))),
-        st.tuples(st.just("ages"), gaps, st.just(None), st.tuples(st.integers(0, 2_000_000), st.integers(0, 2_000_000))),
+        st.tuples(st.just("hit"), gaps, PICK, st.integers(0, 4)),
+        st.tuples(st.just("remote"), gaps, PICK,
+                  st.tuples(st.sampled_from(SLOTS), st.integers(1, 6), st.sampled_from([0, 1, 100_000, 250_000]))),
+        freshness,
     ),
     min_size=5,
     max_size=40,
-)
+).flatmap(lambda rest: freshness.map(lambda first: [first, *rest]))  # peers known from the start
 
 
 @pytest.fixture
@@ -46,7 +57,7 @@ async def setup(redis_url: str) -> AsyncIterator[tuple[AsyncLimiter, Replication
     await limiter.aclose()
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops)
 async def test_decisions_with_peers_match_the_model(
     setup: tuple[AsyncLimiter, ReplicationStore, ManualClock], script: list[tuple[str, int, object, object]]
@@ -66,14 +77,15 @@ async def test_decisions_with_peers_match_the_model(
             model.regions = 3
         elif kind == "remote":
             assert isinstance(rule, Rule)
-            peer, cost = arg  # type: ignore[misc]
+            slot, cost, update_gap = arg  # type: ignore[misc]
+            peer = slot.split("/")[0]
             bucket = now // rule.resolution_us
-            key = (rule.name, peer, bucket)
+            key = (rule.name, slot, bucket)
             remote_totals[key] = remote_totals.get(key, 0) + cost
             value = remote_totals[key] * SUBSTEPS + 3  # stored as count * SUBSTEPS + first-admission offset
-            cells = [(rule.name, subject, bucket, f"{peer}/i1", value, 0)]
-            await store.merge_blobs(blobs_from_cells(limiter.layout, cells), peer)
-            model.merge(rule.name, subject, {bucket: {f"{peer}/i1": Cell(value, 0)}})
+            cells = [(rule.name, subject, bucket, slot, value, 0)]
+            await store.merge_blobs(blobs_from_cells(limiter.layout, cells), peer, gap_us=update_gap)
+            model.merge(rule.name, subject, {bucket: {slot: Cell(value, 0)}}, now_us=now, gap_us=update_gap)
         else:
             assert isinstance(rule, Rule)
             got = await limiter.hit(rule.name, subject, arg)  # type: ignore[arg-type]
@@ -83,3 +95,9 @@ async def test_decisions_with_peers_match_the_model(
             if model.reserve_falls_at(rule, subject, now) is not None:
                 event("stable_for cut to when a predicted reserve may shrink")
             event(f"{rule.name} {'allowed' if got.allowed else 'denied'}")
+            if rule.predict:
+                held = model.reservation(rule, subject, now)
+                stopped = any(r.at_us < model.peer_known.get(p.split("/")[0], -1)
+                              for p, r in model.rises.get((rule.name, subject), {}).items())
+                event(f"pred: {'predicted' if held.predicted else 'nothing predicted'}"
+                      f"{', a stopped peer' if stopped else ''}")

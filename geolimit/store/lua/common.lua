@@ -104,9 +104,11 @@ end
 -- region's field for bucket c), stale (fields of buckets that have left the
 -- window, deleted by the next write), firsts[0..N] (earliest first-admission
 -- offset of each bucket, in 64ths; only with approx) and the expiry mark (see
--- expiry_mark). With per_slot, also slot index -> {count in the window, count in
--- buckets c-1 and c} (floors applied). Fields whose name or value is not a
--- number are ignored (geolimit.core.window.read_key does the same).
+-- expiry_mark). With per_slot, also slot index -> count in the window (floors
+-- applied) and slot index -> {at, units, gap}: the slot's last rise, from field
+-- 'p<slot index>' = 'at:units:gap' (written by merge.lua, see
+-- geolimit.core.policy.Rise). Fields whose name or value is not a number are
+-- ignored (geolimit.core.window.read_key does the same).
 local function load_window(key, c, N, M, per_slot, approx)
   local flat = call('HGETALL', key)
   local n = #flat
@@ -115,7 +117,8 @@ local function load_window(key, c, N, M, per_slot, approx)
   local slots = per_slot and {} or nil
   local firsts = {}
   for d = 0, N do firsts[d] = SUB end
-  if n == 0 then return sums, nil, nil, 0, {}, slots, firsts, nil end
+  local rises = per_slot and {} or nil
+  if n == 0 then return sums, nil, nil, 0, {}, slots, firsts, nil, rises end
   local h, e
   for i = 1, n, 2 do
     local fs = flat[i]
@@ -129,7 +132,18 @@ local function load_window(key, c, N, M, per_slot, approx)
     local f = tonumber(fs)
     local raw_v = f and tonumber(flat[i + 1])
     local raw = f and (f < 0 and -f - 1 or f)
-    if raw and h - (h - raw % M) % M <= old then
+    if not f then
+      if rises and string.byte(fs, 1) == 112 then  -- 'p': a slot's last rise
+        local v, find, sub = flat[i + 1], string.find, string.sub
+        local c1 = find(v, ':', 1, true)
+        local c2 = c1 and find(v, ':', c1 + 1, true)
+        if c2 then
+          local s, at, units, gap = tonumber(sub(fs, 2)), tonumber(sub(v, 1, c1 - 1)), tonumber(sub(v, c1 + 1, c2 - 1)),
+                                    tonumber(sub(v, c2 + 1))
+          if s and at and units and gap and gap > 0 then rises[s] = {at, units, gap} end
+        end
+      end
+    elseif raw and h - (h - raw % M) % M <= old then
       stale[#stale + 1] = fs
     elseif raw_v then
       local b = h - (h - raw % M) % M
@@ -150,11 +164,7 @@ local function load_window(key, c, N, M, per_slot, approx)
           end
           if slots and f >= M then  -- remote slots only (index 0 is this region's own)
             local s = (f - f % M) / M
-            local t = slots[s]
-            if not t then t = {0, 0, 0} slots[s] = t end
-            t[1] = t[1] + v
-            if d <= 1 then t[2] = t[2] + v end
-            if d == 0 then t[3] = t[3] + v end
+            slots[s] = (slots[s] or 0) + v
           end
         end
         if f == ownf then own = raw_v end
@@ -177,20 +187,18 @@ local function load_window(key, c, N, M, per_slot, approx)
           elseif d <= N then
             sums[d] = sums[d] - sub
             if slots and f >= M then
-              local t = slots[(f - f % M) / M]
-              t[1] = t[1] - sub
-              if d <= 1 then t[2] = t[2] - sub end
-              if d == 0 then t[3] = t[3] - sub end
+              local s = (f - f % M) / M
+              slots[s] = slots[s] - sub
             end
           end
         end
       end
     end
   end
-  return sums, futs, h, own, stale, slots, firsts, e
+  return sums, futs, h, own, stale, slots, firsts, e, rises
 end
 
--- Does a key hold counts of any slot but this region's current one?
+-- Does a key hold counts (or rises, see load_window) of any slot but this region's current one?
 local function has_remote(slots)
   return next(slots) ~= nil
 end
@@ -215,20 +223,25 @@ local function load_peers(reg, peers)
 end
 
 -- Mirrors geolimit.core.policy.reserve: units to reserve for peers, and whether
--- a partitioned peer closes the rule.
-local function reservation(info, slots, own_region, limit, res, now, predict, partition, after)
+-- a partitioned peer closes the rule. slots: slot index -> count in the window;
+-- rises: slot index -> {at, units, gap} (see load_window).
+local function reservation(info, slots, rises, own_region, limit, now, predict, partition, after)
   local owner, known, regions = info[1], info[2], info[3]
-  local counts, recent, latest = {}, {}, {}
-  for s, t in pairs(slots) do
+  local counts, rates = {}, {}
+  for s, v in pairs(slots) do
     local r = owner[s]
-    if r and r ~= own_region then
-      counts[r] = (counts[r] or 0) + t[1]
-      recent[r] = (recent[r] or 0) + t[2]
-      latest[r] = (latest[r] or 0) + t[3]
+    if r and r ~= own_region then counts[r] = (counts[r] or 0) + v end
+  end
+  if predict then
+    -- geolimit.core.policy.predicted_rate: a rise that arrived before the peer's
+    -- counts were last current is over (the peer stopped on this key).
+    for s, t in pairs(rises) do
+      local r = owner[s]
+      local untl = r and known[r]
+      if untl and r ~= own_region and t[1] >= untl then rates[r] = (rates[r] or 0) + t[2] / t[3] end
     end
   end
-  local units, closed, predicted, ends = 0, false, 0, 0
-  local start = (bucket(now, res) - 1) * res
+  local units, closed, predicted, ends, falls = 0, false, 0, 0, nil
   for r, untl in pairs(known) do
     if r ~= own_region then
       local stale = now - untl
@@ -242,23 +255,18 @@ local function reservation(info, slots, own_region, limit, res, now, predict, pa
           if fair > have then units = units + (fair - have) end
         end
       elseif predict and stale > 0 then
-        local span = untl - start
-        if span < res / 2 then span = res / 2 end
-        local rate = (recent[r] or 0) / span
-        local into = untl - (start + res)
-        if into > res / 10 then
-          local now_rate = (latest[r] or 0) / into
-          if now_rate > rate then rate = now_rate end
-        end
+        local rate = rates[r] or 0
         units = units + rate * stale
         predicted = predicted + rate * stale
         -- Once its counts are older than `after`, a peer is no longer predicted for.
         if untl + after + 1 > ends then ends = untl + after + 1 end
+        -- ... so a reserve above 0 may first shrink then (it only grows before).
+        if rate > 0 and (not falls or untl + after + 1 < falls) then falls = untl + after + 1 end
       end
     end
   end
   if partition ~= 0 then predicted, ends = 0, 0 end  -- the share/closed policy takes over afterwards: no cap
-  return units, closed, predicted, ends
+  return units, closed, predicted, ends, falls
 end
 
 -- Does the window admit cost more? (count the partial oldest bucket fully in

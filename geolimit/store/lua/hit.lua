@@ -99,35 +99,6 @@ local function escrow_reply(r, cost, consumed)
   return (r.ok and 1 or 0), r.limit - spare, retry, reset, exit and exit - now or r.window
 end
 
--- When a reserve predicted for peers may first shrink with no news from them, or
--- nil (geolimit.core.model.reserve_falls_at): a peer with counts in buckets c-1
--- or c whose counts are stale but at most `after` old is predicted for at a rate
--- recomputed at the next bucket boundary, and no more from untl + after + 1 on.
-local function reserve_falls_at(info, slots, res, after, now)
-  local owner, known = info[1], info[2]
-  local busy = nil
-  for s, t in pairs(slots) do
-    local r = owner[s]
-    if r and t[2] > 0 then
-      busy = busy or {}
-      busy[r] = true
-    end
-  end
-  if not busy then return nil end
-  local at = nil
-  for r, untl in pairs(known) do
-    local stale = now - untl
-    if busy[r] and r ~= region and stale > 0 and stale <= after then
-      local e = untl + after + 1
-      if at == nil or e < at then at = e end
-    end
-  end
-  if at == nil then return nil end
-  local edge = (bucket(now, res) + 1) * res
-  if edge < at then return edge end
-  return at
-end
-
 -- Record an escrow request: its own step (if admitted) and the units asked for.
 local function escrow_write(key, r, cost, consumed, ttl, track, chg)
   local st = r.st
@@ -176,13 +147,12 @@ for _ = 1, tonumber(ARGV[4]) do
       local partition = tonumber(ARGV[ai + 7])
       local c = bucket(gnow, res)
       local watch = predict or partition > 0
-      local sums, futs, h, own, stale, slots, firsts, e = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
+      local sums, futs, h, own, stale, slots, firsts, e, rises = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
       local reserve, closed, predicted, ends, falls = 0, false, 0, 0, nil
-      if watch and (partition > 0 or has_remote(slots)) then
+      if watch and (partition > 0 or has_remote(slots) or has_remote(rises)) then
         info = info or load_peers(reg, peers)
-        reserve, closed, predicted, ends = reservation(info, slots or {}, region, limit, res, gnow, predict, partition,
-                                                       tonumber(ARGV[ai + 8]))
-        if predict and slots then falls = reserve_falls_at(info, slots, res, tonumber(ARGV[ai + 8]), gnow) end
+        reserve, closed, predicted, ends, falls = reservation(info, slots or {}, rises or {}, region, limit, gnow,
+                                                              predict, partition, tonumber(ARGV[ai + 8]))
       end
       -- One rule: evaluate() below answers the same, so skip this pass.
       if closed or (nr > 1 and not admits(sums, futs, firsts, N, gnow, cost, limit, res, approx, reserve)) then

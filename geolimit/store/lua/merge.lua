@@ -2,7 +2,8 @@
 -- KEYS: registry
 -- ARGV: now_us|'', region, nonce, apply, mode ('delta'|'repair'), max_cells,
 --       max_new_slots, max_slots, park_cap, park_us, nregions, regions..., nrules,
---       per rule: name, res_us, N, M, F, ttl_ms, nrelay, relay peers..., blob
+--       per rule: name, res_us, N, M, F, ttl_ms, predict (1|0), nrelay, relay peers...,
+--       blob, gap_us (optional)
 -- The blob is msgpack [slots, keys, counts, cells] (see pack.lua): keys[i] is
 -- 'rule:subject', counts[i] its number of cells, and cells is flat bucket,
 -- slot_ref, value, floor in key order.
@@ -24,6 +25,10 @@
 -- zset '<tag>#pz'), and merged by unpark.lua once their bucket is within the
 -- tolerance; the rest are dropped. Keys whose state rose are queued, every slot
 -- from the lowest raised bucket, in the outboxes of the relay peers.
+-- gap_us > 0 (a delta: the time since the sender's previous update) records, for
+-- prediction (rules that predict only), each peer slot's rise in the key: field 'p<slot index>' =
+-- 'now:units:gap_us', units what the slot's count rose by (see
+-- geolimit.core.policy.Rise; readers of cells skip non-numeric field names).
 local reg = KEYS[1]
 local raw = clock(ARGV[1])  -- this Redis's clock: relay queue times
 local now = raw + correction(reg)  -- the region clock: which buckets are current
@@ -38,14 +43,19 @@ local rules = {}
 local nrules = tonumber(ARGV[a])
 a = a + 1
 for _ = 1, nrules do
-  local res = tonumber(ARGV[a + 1])  -- res, N, M, F, ttl_ms, the current bucket, passed() cache
+  -- res, N, M, F, ttl_ms, the current bucket, passed() cache, [8] read whole (set below), [9] predict,
+  -- [10] park span (buckets)
+  local res = tonumber(ARGV[a + 1])
   rules[ARGV[a]] = {res, tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]),
-                    bucket(now, res), {}, nil, math.ceil(park_us / res)}
-  a = a + 6
+                    bucket(now, res), {}, false, ARGV[a + 6] == '1', math.ceil(park_us / res)}
+  a = a + 7
 end
 local relay = {}
 for _ = 1, tonumber(ARGV[a]) do relay[#relay + 1] = ARGV[a + 1] a = a + 1 end
 local blob = ARGV[a + 1]
+local gap = tonumber(ARGV[a + 2] or '') or 0
+local stamp = gap > 0 and (fmt(now) .. ':') or nil  -- prefix of a rise field's value
+local gaps = gap > 0 and (':' .. fmt(gap)) or nil  -- its suffix
 local floor = math.floor
 local tag = tag_of(reg)
 
@@ -289,20 +299,28 @@ local queued, nq, relaying = {}, 0, #relay > 0
 -- reused from key to key; pos/want: field -> cell (cleared after each key).
 local cb, cf, cv, cw, sv, sw, pos, want = {}, {}, {}, {}, {}, {}, {}, {}
 local write, nw = {}, 0
+-- The peer slots whose count rose in this key (nr of them): the first is x1 (by
+-- u1 units), any other x is rslots[2..nr] (by rose[x] units).
+local nr, x1, u1, rose, rslots = 0, 0, 0, {}, {}
+local pnames = setmetatable({}, {__index = function(cache, x)
+  local name = 'p' .. fmt(x)
+  cache[x] = name
+  return name
+end})
 local o = 0  -- offset of key i's cells in cells
 for i = 1, n do
   local m = counts[i]
   local spec, last = specs[i], o + 4 * m
   if spec then
     local key = tag .. ':' .. keys[i]
-    local N, M, F, ttl, c = spec[2], spec[3], spec[4], spec[5], spec[6]
+    local N, M, F, ttl, c, rises = spec[2], spec[3], spec[4], spec[5], spec[6], stamp and spec[9]
     local k, maxb = 0, nil
     for j = o + 1, last, 4 do
       local b, r = cells[j], cells[j + 1]
       if r < 0 then
         -- an own-slot claim skipped in repair mode
       elseif b > c + F then
-        if b > c + F + spec[9] or not park(keys[i], b, slots[r + 1], cells[j + 2], cells[j + 3], (b - F) * spec[1]) then
+        if b > c + F + spec[10] or not park(keys[i], b, slots[r + 1], cells[j + 2], cells[j + 3], (b - F) * spec[1]) then
           fut = fut + 1
         end
       elseif b < c - N then
@@ -442,16 +460,39 @@ for i = 1, n do
             inc = inc + 1
             if not lowest or b < lowest then lowest = b end
             local f = cf[q]
+            if rises and v > v0 and f >= M then  -- a peer slot's count may have risen
+              local add = (v - v % SUB) / SUB - (v0 - v0 % SUB) / SUB
+              if add > 0 then
+                local x = (f - f % M) / M
+                if nr == 0 then nr, x1, u1 = 1, x, add  -- the usual case: one peer slot
+                elseif x == x1 then u1 = u1 + add
+                else
+                  local had = rose[x]
+                  if had then rose[x] = had + add else nr = nr + 1 rslots[nr] = x rose[x] = add end
+                end
+              end
+            end
             if v > 0 then write[nw + 1], write[nw + 2], nw = fnames[f], fmt(v), nw + 2 end
             if w > 0 then write[nw + 1], write[nw + 2], nw = fnames[-f - 1], fmt(w), nw + 2 end
           end
         end
+      end
+      if nr > 0 then
+        write[nw + 1], write[nw + 2], nw = pnames[x1], stamp .. fnames[u1] .. gaps, nw + 2
+        for y = 2, nr do
+          local x = rslots[y]
+          write[nw + 1], write[nw + 2], nw = pnames[x], stamp .. fnames[rose[x]] .. gaps, nw + 2
+          rose[x] = nil
+        end
+        nr = 0
       end
       -- A key that does not exist and gains nothing is not created.
       if h or lowest then
         if nw == 2 then call('HSET', key, write[1], write[2])  -- the usual sizes, without unpack()
         elseif nw == 4 then call('HSET', key, write[1], write[2], write[3], write[4])
         elseif nw == 6 then call('HSET', key, write[1], write[2], write[3], write[4], write[5], write[6])
+        elseif nw == 8 then
+          call('HSET', key, write[1], write[2], write[3], write[4], write[5], write[6], write[7], write[8])
         else
           for x = 1, nw, 1000 do
             local y = x + 999
