@@ -88,12 +88,12 @@ class GossipEngine(Receiver):
         await self._drain(now)  # first: it renews the lease under which apps record changes
         if not self._recovered:  # batches a previous agent left in flight go back to the outboxes
             await self.store.recover(self.settings.window)
-            await self.store.find_parked()
+            await self.store.parked.find()
             self._recovered = True
             await self._drain(now)
         await self._resettle()
-        if self.store.park_due:  # cells that were ahead of the clock-skew tolerance, now due
-            self.stats["unparked"] += (await self.store.unpark(round(self.region_clock() * 1_000_000))).cells
+        if self.store.parked.due:  # cells that were ahead of the clock-skew tolerance, now due
+            self.stats["unparked"] += await self.store.parked.release(round(self.region_clock() * 1_000_000))
         self._start_sends(now)
         await self._prune()
         self.repair.start_due(now)

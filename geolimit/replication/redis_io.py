@@ -11,13 +11,11 @@ for long and a decision waits at most about a millisecond behind replication.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 from redis.exceptions import RedisError
 
 from geolimit.core.keys import KeyLayout
@@ -26,13 +24,13 @@ from geolimit.core.usage import slot_names
 from geolimit.core.window import bucket_of, read_key
 from geolimit.errors import ProtocolError, StorageError
 from geolimit.replication.blob_check import vet_blob
+from geolimit.replication.blob_format import pack_blob, unpack_blob
 from geolimit.replication.digest import live_range, partition_of
+from geolimit.replication.parking import ParkedCells
 from geolimit.replication.wire import Blob, Cell6
 from geolimit.store.async_store import AsyncStore
 from geolimit.store.redis_store import describe_error
 from geolimit.store.scripts import load_script
-
-log = logging.getLogger("geolimit.gossip")
 
 __all__ = ["Drained", "Limits", "MergeResult", "Packed", "ReplicationStore", "blobs_from_cells", "pack_blob", "unpack_blob"]
 
@@ -41,7 +39,6 @@ _PACK = load_script("pack")
 _SETTLE = load_script("settle")
 _MERGE = load_script("merge")
 _PRUNE = load_script("prune")
-_UNPARK = load_script("unpark")
 
 #: In-flight message slots per peer (drain.lua forgets slots 0..7 of removed peers).
 MAX_WINDOW = 8
@@ -97,10 +94,6 @@ class MergeResult:
     own_ahead: int = 0  # repair mode: cells claiming more in this region's own slot (skipped)
     parked: int = 0  # cells ahead of the skew tolerance, kept until their bucket comes (unpark)
 
-    def add_result(self, other: MergeResult) -> None:
-        for name in _MERGE_FIELDS:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
     def add(self, reply: Sequence[Any]) -> None:
         """Add one accepted ``merge.lua`` reply (``{1, cells, ...}``; later fields may be absent)."""
         for name, value in zip(_MERGE_FIELDS, reply[1:], strict=False):
@@ -126,9 +119,8 @@ class ReplicationStore:
         self.layout = layout
         #: The shards whose outboxes this agent (worker) drains, packs and recovers.
         self.owned = sorted(set(owned)) if owned is not None else list(range(layout.shards))
-        self._owned_set = frozenset(self.owned)
-        #: Shards holding parked cells -> the first one's due time (µs, region clock).
-        self.park_due: dict[int, int] = {}
+        #: Cells ahead of the clock-skew tolerance, kept until their bucket comes.
+        self.parked = ParkedCells(self)
         if any(not 0 <= s < layout.shards for s in self.owned):
             raise ValueError(f"owned shards must be in [0, {layout.shards})")
         self.region = region
@@ -157,7 +149,8 @@ class ReplicationStore:
                     b"%d" % r.future, b"%d" % r.ttl_ms, b"1" if r.predict else b"0")
         return out
 
-    def _clock_arg(self) -> bytes:
+    def clock_arg(self) -> bytes:
+        """The scripts' clock argument: the injected clock's µs, or empty for Redis TIME."""
         now = self._now()
         return b"" if now is None else b"%d" % now
 
@@ -180,7 +173,7 @@ class ReplicationStore:
         fresh: list[bytes] = [b"%d" % (len(self.peers) + 1), b"%d" % clock_correction_us, b"%d" % len(self.peers)]
         for peer in self.peers:
             fresh += (peer.encode(), b"%d" % ages.get(peer, 0))
-        head = [self._clock_arg(), self._region_b, self._nonce, new_incarnation(self._nonce), b"%d" % lease_us,
+        head = [self.clock_arg(), self._region_b, self._nonce, new_incarnation(self._nonce), b"%d" % lease_us,
                 b"%d" % self.limits.drain_keys, *fresh]
         calls = [[b"3", *self.layout.aux_keys(s), *head] for s in self.owned]
         out = Drained(pending={p: {} for p in self.peers}, oldest_us=dict.fromkeys(self.peers))
@@ -208,7 +201,7 @@ class ReplicationStore:
         caps = [max_cells] * len(shards) if max_cells is None or isinstance(max_cells, int) else list(max_cells)
         if len(caps) != len(shards):
             raise ValueError("max_cells needs one cap per shard")
-        clock, name, w, keys = self._clock_arg(), peer.encode(), b"%d" % slot, b"%d" % self.limits.pack_keys
+        clock, name, w, keys = self.clock_arg(), peer.encode(), b"%d" % slot, b"%d" % self.limits.pack_keys
         calls = [
             [b"1", self._registry(s), clock, name, w, keys, b"%d" % min(cap or self.limits.pack_cells,
                                                                         self.limits.pack_cells), *self._pack_rules]
@@ -229,7 +222,7 @@ class ReplicationStore:
     async def settle(self, peer: str, slot: int, shards: Iterable[int], delivered: bool) -> None:
         """Acknowledge (forget) or return (re-queue) what in-flight ``slot`` holds."""
         mode = b"ack" if delivered else b"nack"
-        calls = [[b"1", self._registry(s), self._clock_arg(), peer.encode(), b"%d" % slot, mode] for s in shards]
+        calls = [[b"1", self._registry(s), self.clock_arg(), peer.encode(), b"%d" % slot, mode] for s in shards]
         _checked(await self.store.run_many(_SETTLE, calls))
 
     async def prune(self, peer: str, cursors: dict[int, bytes], shards: Sequence[int], count: int = 500) -> int:
@@ -294,7 +287,7 @@ class ReplicationStore:
         mode = b"repair" if repair else b"delta"
 
         def calls(apply: bytes, bodies: Sequence[Blob]) -> list[list[bytes]]:
-            head = [self._clock_arg(), self._region_b, self._nonce, apply, mode, b"%d" % lim.blob_cells,
+            head = [self.clock_arg(), self._region_b, self._nonce, apply, mode, b"%d" % lim.blob_cells,
                     b"%d" % lim.new_slots, b"%d" % lim.max_slots, b"%d" % lim.park_cells,
                     b"%d" % round(lim.park_seconds * 1_000_000), *regions, *rule_args, *relay]
             tail = [b"%d" % gap_us] if apply != b"0" and gap_us > 0 else []
@@ -327,50 +320,8 @@ class ReplicationStore:
                 raise ProtocolError(f"refused cells for shard {shard}: {reply[1].decode(errors='replace')}")
             out.add(reply)
             if len(reply) > 9 and int(reply[9]) >= 0:
-                self._note_parked(shard, int(reply[9]))
+                self.parked.note(shard, int(reply[9]))
         return out
-
-    # -- parked cells (ahead of the clock-skew tolerance) -------------------------
-
-    def _note_parked(self, shard: int, due_us: int) -> None:
-        old = self.park_due.get(shard)
-        if old is None or due_us < old:
-            self.park_due[shard] = due_us
-
-    async def unpark(self, now_us: int) -> MergeResult:
-        """Merge the parked cells that are due, in the shards that hold some (``park_due``).
-
-        ``now_us``: the region clock. Bounded: one call per due shard takes at most
-        ``limits.unpark_cells``; the rest waits for the next call. The cells are
-        merged like a peer's (checked, max-merged), not relayed.
-        """
-        due = sorted(s for s, t in self.park_due.items() if t <= now_us and s in self._owned_set)
-        out = MergeResult()
-        if not due:
-            return out
-        calls = [[b"1", self._registry(s), self._clock_arg(), b"%d" % self.limits.unpark_cells] for s in due]
-        blobs: list[Blob] = []
-        for shard, reply in zip(due, _checked(await self.store.run_many(_UNPARK, calls)), strict=True):
-            nxt = int(reply[0])
-            if nxt >= 0:
-                self.park_due[shard] = nxt
-            else:
-                self.park_due.pop(shard, None)
-            if len(reply) > 1:
-                blobs.append((shard, _parked_blob(reply[1:])))
-        for blob in blobs:
-            try:
-                out.add_result(await self.merge_blobs([blob], self.region))
-            except ProtocolError as exc:  # e.g. the slot registry filled up meanwhile
-                log.warning("region %s: parked cells of shard %d could not be merged: %s", self.region, blob[0], exc)
-        return out
-
-    async def find_parked(self) -> None:
-        """Learn which owned shards hold parked cells (at start: ``park_due`` is in memory)."""
-        calls = [[b"1", self._registry(s), self._clock_arg(), b"0"] for s in self.owned]
-        for shard, reply in zip(self.owned, _checked(await self.store.run_many(_UNPARK, calls)), strict=True):
-            if int(reply[0]) >= 0:
-                self._note_parked(shard, int(reply[0]))
 
     # -- whole-window reads (anti-entropy, the demo) ------------------------------
 
@@ -469,48 +420,6 @@ class _BlobBuilder:
 
     def pack(self) -> bytes:
         return pack_blob(list(self.slots), self.keys, self.counts, self.flat)
-
-
-def pack_blob(slots: Sequence[str | bytes], keys: Sequence[bytes], counts: Sequence[int], cells: Sequence[int]) -> bytes:
-    """A merge blob: ``[slot ids, keys, cells per key, flat cells]``.
-
-    Redis's cmsgpack reads only the raw (str) type: no bin.
-    """
-    return msgpack.packb([list(slots), list(keys), list(counts), list(cells)], use_bin_type=False)  # type: ignore[no-any-return]
-
-
-def unpack_blob(blob: bytes) -> tuple[list[bytes], list[tuple[bytes, list[int]]]]:
-    """A blob's slot ids and its ``(rule:subject, flat cells)`` per key (tests, benches, tools;
-    the agent never decodes a blob's cells in Python). The blob must be well formed."""
-    slots, keys, counts, flat = msgpack.unpackb(blob, raw=True)
-    out: list[tuple[bytes, list[int]]] = []
-    at = 0
-    for suffix, count in zip(keys, counts, strict=True):
-        out.append((suffix, flat[at : at + 4 * count]))
-        at += 4 * count
-    return slots, out
-
-
-def _parked_blob(flat: Sequence[bytes]) -> bytes:
-    """A merge blob of ``unpark.lua``'s field, value pairs (fields it cannot read are skipped)."""
-    slots: dict[bytes, int] = {}
-    by_key: dict[bytes, list[int]] = {}
-    for i in range(0, len(flat) - 1, 2):
-        field, value = bytes(flat[i]), bytes(flat[i + 1])
-        try:
-            bucket_s, length_s, rest = field.split(b":", 2)
-            length = int(length_s)
-            slot, suffix = rest[:length], rest[length:]
-            v_s, w_s = value.split(b":")
-            bucket, v, w = int(bucket_s), int(v_s), int(w_s)
-        except ValueError:
-            continue
-        if len(slot) != length or not suffix:
-            continue
-        ref = slots.setdefault(slot, len(slots))
-        by_key.setdefault(suffix, []).extend((bucket, ref, v, w))
-    cells = [x for group in by_key.values() for x in group]
-    return pack_blob(list(slots), list(by_key), [len(g) // 4 for g in by_key.values()], cells)
 
 
 def _checked(replies: list[Any]) -> list[Any]:
