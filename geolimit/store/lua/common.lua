@@ -33,7 +33,7 @@ end
 
 -- The region clock's correction (µs) in a shard's registry (field 'k'): the
 -- agent sets it so that every region's decisions run on one agreed clock, the
--- mean of the regions' clocks (design section 15). Buckets, windows and peer
+-- mean of the regions' clocks (design section 14, Clock skew). Buckets and peer
 -- freshness use clock() + correction; leases, outbox times and escrow rules
 -- use clock() alone.
 local function correction(reg)
