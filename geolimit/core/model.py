@@ -134,7 +134,7 @@ class ModelStore:
                 result = dataclasses.replace(result, retry_after_us=retry)
             if h.closed:
                 result = Evaluation(False, result.used, r.resolution_us, result.reset_after_us, result.stable_us)
-            falls = self.reserve_falls_at(r, subject, now_us) if result.stable_us > 0 else None
+            falls = h.falls_at_us
             if falls is not None and falls - now_us < result.stable_us:
                 result = dataclasses.replace(result, stable_us=falls - now_us)
             out.append(result)

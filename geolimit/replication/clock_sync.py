@@ -45,7 +45,4 @@ def agreed_correction(offsets: Iterable[float], regions: int) -> float:
     """
     if regions < 1:
         raise ConfigError("regions must be at least 1")
-    total = 0.0
-    for offset in offsets:
-        total += offset
-    return max(-MAX_CORRECTION, min(MAX_CORRECTION, total / regions))
+    return max(-MAX_CORRECTION, min(MAX_CORRECTION, sum(offsets) / regions))

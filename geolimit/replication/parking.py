@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from geolimit.errors import ProtocolError, StorageError
+from geolimit.errors import ProtocolError
 from geolimit.replication.blob_format import pack_blob
+from geolimit.store.async_store import checked_replies
 from geolimit.store.scripts import load_script
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class ParkedCells:
             return 0
         calls = [[b"1", store.layout.registry_key(s), store.clock_arg(), b"%d" % store.limits.unpark_cells] for s in due]
         blobs: list[tuple[int, bytes]] = []
-        for shard, reply in zip(due, _checked(await store.store.run_many(_UNPARK, calls)), strict=True):
+        for shard, reply in zip(due, checked_replies(await store.store.run_many(_UNPARK, calls)), strict=True):
             nxt = int(reply[0])
             if nxt >= 0:
                 self.due[shard] = nxt
@@ -76,7 +77,7 @@ class ParkedCells:
         """Learn which owned shards hold parked cells (at start: :attr:`due` lives in memory)."""
         store = self.store
         calls = [[b"1", store.layout.registry_key(s), store.clock_arg(), b"0"] for s in store.owned]
-        for shard, reply in zip(store.owned, _checked(await store.store.run_many(_UNPARK, calls)), strict=True):
+        for shard, reply in zip(store.owned, checked_replies(await store.store.run_many(_UNPARK, calls)), strict=True):
             if int(reply[0]) >= 0:
                 self.note(shard, int(reply[0]))
 
@@ -103,8 +104,3 @@ def parked_blob(flat: Sequence[bytes]) -> bytes:
     return pack_blob(list(slots), list(by_key), [len(g) // 4 for g in by_key.values()], cells)
 
 
-def _checked(replies: list[Any]) -> list[Any]:
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply if isinstance(reply, StorageError) else StorageError(str(reply))
-    return replies

@@ -28,7 +28,7 @@ from geolimit.replication.blob_format import pack_blob, unpack_blob
 from geolimit.replication.digest import live_range, partition_of
 from geolimit.replication.parking import ParkedCells
 from geolimit.replication.wire import Blob, Cell6
-from geolimit.store.async_store import AsyncStore
+from geolimit.store.async_store import AsyncStore, checked_replies
 from geolimit.store.redis_store import describe_error
 from geolimit.store.scripts import load_script
 
@@ -177,7 +177,7 @@ class ReplicationStore:
                 b"%d" % self.limits.drain_keys, *fresh]
         calls = [[b"3", *self.layout.aux_keys(s), *head] for s in self.owned]
         out = Drained(pending={p: {} for p in self.peers}, oldest_us=dict.fromkeys(self.peers))
-        for shard, reply in zip(self.owned, _checked(await self.store.run_many(_DRAIN, calls)), strict=True):
+        for shard, reply in zip(self.owned, checked_replies(await self.store.run_many(_DRAIN, calls)), strict=True):
             out.own_slots[shard] = reply[0].decode()
             out.changed_left += int(reply[1])
             out.taken += int(reply[2])
@@ -208,7 +208,7 @@ class ReplicationStore:
             for s, cap in zip(shards, caps, strict=True)
         ]
         out = Packed()
-        for shard, reply in zip(shards, _checked(await self.store.run_many(_PACK, calls)), strict=True):
+        for shard, reply in zip(shards, checked_replies(await self.store.run_many(_PACK, calls)), strict=True):
             out.left[shard] = int(reply[3])
             out.unknown += int(reply[4])
             out.bad += int(reply[5])
@@ -223,7 +223,7 @@ class ReplicationStore:
         """Acknowledge (forget) or return (re-queue) what in-flight ``slot`` holds."""
         mode = b"ack" if delivered else b"nack"
         calls = [[b"1", self._registry(s), self.clock_arg(), peer.encode(), b"%d" % slot, mode] for s in shards]
-        _checked(await self.store.run_many(_SETTLE, calls))
+        checked_replies(await self.store.run_many(_SETTLE, calls))
 
     async def prune(self, peer: str, cursors: dict[int, bytes], shards: Sequence[int], count: int = 500) -> int:
         """Drop ``peer``'s outbox entries of keys that expired, one ``HSCAN`` page per shard.
@@ -234,7 +234,7 @@ class ReplicationStore:
         name = peer.encode()
         calls = [[b"1", self._registry(s), name, cursors.get(s, b"0"), b"%d" % count] for s in shards]
         dropped = 0
-        for shard, reply in zip(shards, _checked(await self.store.run_many(_PRUNE, calls)), strict=True):
+        for shard, reply in zip(shards, checked_replies(await self.store.run_many(_PRUNE, calls)), strict=True):
             cursors[shard] = bytes(reply[0])
             dropped += int(reply[2])
         return dropped
@@ -306,7 +306,7 @@ class ReplicationStore:
             # with this region's slots, claims on its own current slot (every cell).
             own = self._region_b in vetted.regions
             checks.append((shard, blob if own else pack_blob(vetted.slots, (), (), ())))
-        for (shard, _), reply in zip(checks, _checked(await self.store.run_many(_MERGE, calls(b"0", checks))),
+        for (shard, _), reply in zip(checks, checked_replies(await self.store.run_many(_MERGE, calls(b"0", checks))),
                                      strict=True):
             if int(reply[0]) != 1:
                 raise ProtocolError(f"refused cells for shard {shard}: {reply[1].decode(errors='replace')}")
@@ -314,7 +314,7 @@ class ReplicationStore:
             await admit()
         out = MergeResult()
         # b"2": the blobs the b"0" calls accepted, so merge.lua skips the per-cell type checks.
-        for (shard, _), reply in zip(blobs, _checked(await self.store.run_many(_MERGE, calls(b"2", blobs))),
+        for (shard, _), reply in zip(blobs, checked_replies(await self.store.run_many(_MERGE, calls(b"2", blobs))),
                                      strict=True):
             if int(reply[0]) != 1:  # only a change since the checks (registry, own slot) can refuse now
                 raise ProtocolError(f"refused cells for shard {shard}: {reply[1].decode(errors='replace')}")
@@ -422,11 +422,6 @@ class _BlobBuilder:
         return pack_blob(list(self.slots), self.keys, self.counts, self.flat)
 
 
-def _checked(replies: list[Any]) -> list[Any]:
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply if isinstance(reply, StorageError) else StorageError(str(reply))
-    return replies
 
 
 def new_incarnation(nonce: bytes) -> bytes:

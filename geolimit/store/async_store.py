@@ -27,7 +27,7 @@ from geolimit.store.redis_store import (
 )
 from geolimit.store.scripts import LuaScript, function_library
 
-__all__ = ["AsyncClusterStore", "AsyncRedisStore", "AsyncStore"]
+__all__ = ["AsyncClusterStore", "AsyncRedisStore", "AsyncStore", "checked_replies"]
 
 
 class AsyncStore(Protocol):
@@ -43,6 +43,14 @@ class AsyncStore(Protocol):
     def client(self) -> redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster: ...
 
     async def close(self) -> None: ...
+
+
+def checked_replies(replies: list[Any]) -> list[Any]:
+    """``run_many``'s replies, or the first call's error raised (as a StorageError)."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply if isinstance(reply, StorageError) else StorageError(str(reply))
+    return replies
 
 
 class AsyncRedisStore:

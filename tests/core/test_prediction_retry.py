@@ -19,6 +19,16 @@ from geolimit.core.window import SUBSTEPS, evaluate
 
 T0 = 1_700_000_000_000_000
 SECOND = 1_000_000
+#: A rule, east's hits ``(count, seconds ago)``, north's own and when: what the properties draw.
+SCHEDULES = dict(
+    limit=st.integers(1, 30),
+    buckets=st.integers(1, 6),
+    after_ms=st.integers(100, 3000),
+    peer_hits=st.lists(st.tuples(st.integers(1, 20), st.integers(0, 8)), max_size=4),
+    own=st.integers(0, 20),
+    age_us=st.integers(1, 3 * SECOND),
+    into=st.integers(0, SECOND - 1),
+)
 
 
 def region(rule: Rule, peer_hits: list[tuple[int, int]], known_age_us: int, now: int) -> ModelStore:
@@ -53,17 +63,7 @@ def test_a_fresh_peer_burst_denies_for_at_most_the_prediction_not_the_window() -
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    limit=st.integers(1, 30),
-    buckets=st.integers(1, 6),
-    after_ms=st.integers(100, 3000),
-    peer_hits=st.lists(st.tuples(st.integers(1, 20), st.integers(0, 8)), max_size=4),
-    own=st.integers(0, 20),
-    age_us=st.integers(1, 3 * SECOND),
-    into=st.integers(0, SECOND - 1),
-    cost=st.integers(1, 5),
-    approx=st.booleans(),
-)
+@given(**SCHEDULES, cost=st.integers(1, 5), approx=st.booleans())
 def test_retry_after_is_at_most_until_the_prediction_expires_and_then_enough(
     limit: int, buckets: int, after_ms: int, peer_hits: list[tuple[int, int]], own: int, age_us: int,
     into: int, cost: int, approx: bool,
@@ -125,18 +125,7 @@ def test_stable_for_is_not_cut_for_a_peer_that_stopped() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    limit=st.integers(1, 30),
-    buckets=st.integers(1, 6),
-    after_ms=st.integers(100, 3000),
-    peer_hits=st.lists(st.tuples(st.integers(1, 20), st.integers(0, 8)), max_size=4),
-    own=st.integers(0, 20),
-    age_us=st.integers(1, 3 * SECOND),
-    into=st.integers(0, SECOND - 1),
-    cost=st.integers(0, 5),
-    approx=st.booleans(),
-    partition=st.sampled_from(["local", "share", "closed"]),
-)
+@given(**SCHEDULES, cost=st.integers(0, 5), approx=st.booleans(), partition=st.sampled_from(["local", "share", "closed"]))
 @example(limit=30, buckets=10, after_ms=2000, peer_hits=[(8, 1)], own=1, age_us=300_000, into=600_000, cost=1,
          approx=False, partition="share")
 def test_remaining_cannot_grow_within_stable_for_while_peers_are_predicted_for(

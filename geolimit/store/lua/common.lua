@@ -63,8 +63,9 @@ end
 -- The registry check of a write: creates the registry if missing and says
 -- whether a replication agent holds the lease (field 'a': expiry, in the same
 -- clock as decisions), i.e. whether changes must be recorded for it.
-local function tracking(reg, region, nonce, now)
-  local got = call('HMGET', reg, '@', 'a')
+-- got: the registry's HMGET of '@', 'a' (first), if the caller read it already.
+local function tracking(reg, region, nonce, now, got)
+  got = got or call('HMGET', reg, '@', 'a')
   if not got[1] then ensure_registry(reg, region, nonce) end
   return got[2] and tonumber(got[2]) > now
 end

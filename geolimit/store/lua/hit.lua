@@ -128,10 +128,6 @@ for _ = 1, tonumber(ARGV[4]) do
   -- rules and the lease on this Redis's own clock (now).
   local regs = call('HMGET', reg, '@', 'a', 'k')
   local gnow = now + (tonumber(regs[3]) or 0)
-  local function track_now()
-    if not regs[1] then ensure_registry(reg, region, nonce) end
-    return regs[2] and tonumber(regs[2]) > now
-  end
   local res_all, rs, info, held = true, {}, nil, false
   for j = 1, nr do
     local limit, res, N, M = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2]), tonumber(ARGV[ai + 3])
@@ -175,7 +171,7 @@ for _ = 1, tonumber(ARGV[4]) do
   local consumed = res_all and consume
   local track
   if consumed and cost > 0 then
-    track = track_now()
+    track = tracking(reg, region, nonce, now, regs)
     for j = 1, nr do
       local key, r = KEYS[ki + j - 1], rs[j]
       if not r.escrow then
@@ -205,7 +201,7 @@ for _ = 1, tonumber(ARGV[4]) do
     local ok, used, retry, reset, stable
     if r.escrow then
       if consume and r.st then
-        if track == nil then track = track_now() end
+        if track == nil then track = tracking(reg, region, nonce, now, regs) end
         escrow_write(KEYS[ki + j - 1], r, cost, consumed, r.ttl, track, chg)
       end
       ok, used, retry, reset, stable = escrow_reply(r, cost, consumed)

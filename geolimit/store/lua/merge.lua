@@ -220,10 +220,6 @@ local function clear(key, h, newh, M)
   if #del > 0 then chunked('HDEL', key, del, 1000) end
 end
 
--- The set of field names at the ring positions of buckets h+1..h+span (passed
--- over when a key's head moves from h to h+span), cached per rule: the keys of
--- a blob share a few heads. nil (test each field then) for a long span, or
--- once 32 sets are cached.
 -- Park a cell ahead of the skew tolerance until due_us (region clock): a field
 -- '<bucket>:<length of slot id>:<slot id><rule:subject>' holding 'value:floor'
 -- (max-merged with what is parked), scored by due_us. False when the park is full.
@@ -250,6 +246,10 @@ local function park(suffix, b, id, v, w, due_us)
   return true
 end
 
+-- The set of field names at the ring positions of buckets h+1..h+span (passed
+-- over when a key's head moves from h to h+span), cached per rule: the keys of
+-- a blob share a few heads. nil (test each field then) for a long span, or
+-- once 32 sets are cached.
 local sets = 0
 local function passed(spec, h, span)
   if span * used * 2 > 64 then return nil end

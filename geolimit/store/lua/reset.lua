@@ -7,8 +7,9 @@
 -- Every number written to Redis goes through fmt (exact integers, never '1e+17').
 local function fmt(x) return string.format('%d', x) end
 local now = clock(ARGV[1])
-local track = tracking(KEYS[1], ARGV[2], ARGV[3], now)
-local gnow = now + correction(KEYS[1])  -- the region clock (common.lua)
+local regs = call('HMGET', KEYS[1], '@', 'a', 'k')  -- own slot, lease, clock correction (common.lua)
+local track = tracking(KEYS[1], ARGV[2], ARGV[3], now, regs)
+local gnow = now + (tonumber(regs[3]) or 0)  -- the region clock
 local out = {}
 for j = 4, #KEYS do
   local key = KEYS[j]
