@@ -93,7 +93,8 @@ class GossipEngine(Receiver):
             await self._drain(now)
         await self._resettle()
         if self.store.parked.due:  # cells that were ahead of the clock-skew tolerance, now due
-            self.stats["unparked"] += await self.store.parked.release(round(self.region_clock() * 1_000_000))
+            relay = sorted({p for peer in self.peers.values() for p in self.relays(peer)})
+            self.stats["unparked"] += await self.store.parked.release(round(self.region_clock() * 1_000_000), relay)
         self._start_sends(now)
         await self._prune()
         self.repair.start_due(now)

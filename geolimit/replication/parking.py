@@ -6,7 +6,9 @@ in the shard's hash ``<tag>#pk`` (due times in zset ``<tag>#pz``), instead of
 dropping it. Each round the engine asks the shards whose first parked cell is
 due (:attr:`ParkedCells.due`, learnt from merges and, at start, from Redis) for
 those cells (``unpark.lua``, bounded) and merges them like a peer's: checked,
-max-merged, not relayed (anti-entropy covers a relay target that missed them).
+max-merged, and relayed to the peers that some peer currently reports it cannot
+reach (who sent a parked cell is not kept; a relay is a max-merge, so relaying
+to more peers than the source could not reach only duplicates).
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ class ParkedCells:
         if old is None or due_us < old:
             self.due[shard] = due_us
 
-    async def release(self, now_us: int) -> int:
-        """Merge the parked cells that are due (``now_us``: the region clock); returns the cells merged.
+    async def release(self, now_us: int, relay_to: Sequence[str] = ()) -> int:
+        """Merge the parked cells that are due (``now_us``: the region clock), queueing them
+        for the peers in ``relay_to``; returns the cells merged.
 
         Bounded: one call per due shard takes at most ``limits.unpark_cells``; the
         rest waits for the next round.
@@ -68,7 +71,7 @@ class ParkedCells:
         merged = 0
         for blob in blobs:
             try:
-                merged += (await store.merge_blobs([blob], store.region)).cells
+                merged += (await store.merge_blobs([blob], store.region, relay_to)).cells
             except ProtocolError as exc:  # e.g. the slot registry filled up meanwhile
                 log.warning("region %s: parked cells of shard %d could not be merged: %s", store.region, blob[0], exc)
         return merged

@@ -86,3 +86,25 @@ async def test_cells_too_far_ahead_or_over_the_cap_are_dropped_and_counted(redis
         assert metrics["geolimit_gossip_cells_parked_total"] == 2  # room for one more
         assert metrics['geolimit_gossip_cells_dropped_total{reason="future"}'] == 2
         assert client.hlen(tag + b"#pk") == cap
+
+
+async def test_a_parked_cell_is_relayed_once_due_to_a_peer_its_sender_cannot_reach(
+    redis_server_factory: Factory,
+) -> None:
+    """a's message says it reaches no peer (it names no reach), so what b merges from it
+    goes on to c; a cell b parked goes on to c too, once it is due (not only through a
+    later anti-entropy exchange)."""
+    async with Regions(redis_server_factory, ["a", "b", "c"], [API], run_loops=False) as rs:
+        clock = rs.clock
+        assert isinstance(clock, ManualClock)
+        await rs.step(names=["b", "c"])
+        c0 = clock.now_us() // API.resolution_us
+        metrics = await _merge(rs, [(c0 + 5, "a/x", 7)])
+        assert metrics["geolimit_gossip_cells_parked_total"] == 1
+        await rs.step(names=["b"])
+        assert rs["c"].app().usage("api", "s").by_slot == {}
+        clock.advance(3 * API.resolution)  # c0 + 3(.2): the parked bucket is within the tolerance
+        await rs.step(2, names=["b"])  # unparked and merged, then sent on to c
+        clock.advance(2 * API.resolution)  # its bucket is the current one
+        assert rs["b"].app().usage("api", "s").by_slot == {"a/x": 7}
+        assert rs["c"].app().usage("api", "s").by_slot == {"a/x": 7}
