@@ -235,6 +235,7 @@ def _cmd_bench_accuracy(args: argparse.Namespace) -> int:
 
     return run_accuracy_bench(
         scenarios=args.scenario, duration=args.duration, json_path=args.json, redis_url=args.redis_url,
+        seed=args.seed,
     )
 
 
@@ -321,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("accuracy", help="global over-admission against an exact oracle (simulated regions)")
     p.add_argument("--scenario", action="append", help="scenario name (repeatable; default: all)")
     p.add_argument("--duration", type=float, default=None, help="seconds of simulated traffic (default: 60)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the simulated arrivals (default: each scenario's own, 7); figures vary by seed")
     p.add_argument("--json", default=None, help="also write the figures as JSON here")
     p.add_argument("--redis-url", default=None, help="use this Redis (default: an embedded redis-server)")
     p.set_defaults(handler=_cmd_bench_accuracy)

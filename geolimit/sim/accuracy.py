@@ -289,16 +289,19 @@ Progress = Callable[[Outcome, int, int, float], None]
 
 async def run_suite(
     redis_url: str, names: Sequence[str], duration: float | None = None,
-    variants: Sequence[str] = VARIANTS, progress: Progress | None = None,
+    variants: Sequence[str] = VARIANTS, progress: Progress | None = None, seed: int | None = None,
 ) -> list[Outcome]:
     """Every scenario in every variant. ``duration`` overrides the scenarios' own; partitions
-    keep their times (a run shorter than a scenario's ``min_duration`` is marked insufficient)."""
+    keep their times (a run shorter than a scenario's ``min_duration`` is marked insufficient).
+    ``seed`` overrides the scenarios' seed of the random arrivals."""
     outcomes: list[Outcome] = []
     total = len(names) * len(variants)
     for name in names:
         scenario = SCENARIOS[name]
         if duration is not None:
             scenario = replace(scenario, duration=duration)
+        if seed is not None:
+            scenario = replace(scenario, seed=seed)
         for variant in variants:
             began = time.perf_counter()
             outcome = await run_scenario(redis_url, scenario, variant)

@@ -128,6 +128,7 @@ def _as_json(outcomes: Sequence[Outcome], elapsed: float) -> dict[str, Any]:
                     "limit": o.scenario.limit, "window": o.scenario.window, "resolution": o.scenario.resolution,
                     "load": o.scenario.load, "duration": o.scenario.duration, "mode": o.scenario.mode,
                     "policy": o.scenario.policy, "predict": o.scenario.predict, "pattern": o.scenario.pattern,
+                    "seed": o.scenario.seed,
                     "min_duration": o.scenario.min_duration,
                 },
                 "accuracy": o.accuracy.as_dict(),
@@ -155,6 +156,7 @@ def run_accuracy_bench(
     duration: float | None = None,
     json_path: str | None = None,
     redis_url: str | None = None,
+    seed: int | None = None,
 ) -> int:
     names = list(scenarios or SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
@@ -174,10 +176,11 @@ def run_accuracy_bench(
             redis_url = server.url
         base = redis_url.rsplit("/", 1)[0] if redis_url.count("/") > 2 else redis_url
         simulated = f"{duration:g} s" if duration is not None else "60-72 s"
+        seeded = f", seed {seed}" if seed is not None else ""
         print(f"geolimit bench accuracy: {len(names)} scenarios x {len(VARIANTS)} variants "
-              f"({', '.join(VARIANTS)}), {simulated} simulated each (virtual time; real Redis and Lua "
+              f"({', '.join(VARIANTS)}), {simulated} simulated each{seeded} (virtual time; real Redis and Lua "
               "for the gossip variants, the pure escrow model for escrow)", flush=True)
-        outcomes = asyncio.run(run_suite(base, names, duration, progress=_progress))
+        outcomes = asyncio.run(run_suite(base, names, duration, progress=_progress, seed=seed))
     elapsed = time.perf_counter() - started
     print(format_table(outcomes))
     print(f"\n({elapsed:.0f} s of wall time)")

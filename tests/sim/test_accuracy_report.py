@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from geolimit.sim.accuracy import SCENARIOS, Outcome, run_escrow_scenario, run_scenario
+from geolimit.sim.accuracy import SCENARIOS, Outcome, arrivals, run_escrow_scenario, run_scenario
 from geolimit.sim.oracle import Accuracy, Request, measure
 from geolimit.sim.report import format_table, targets
 
@@ -91,7 +91,7 @@ def test_bench_accuracy_shows_progress_and_refuses_to_pass_a_short_run(redis_url
     out_json = tmp_path / "acc.json"
     run = subprocess.run(
         [sys.executable, "-m", "geolimit.cli", "bench", "accuracy", "--scenario", "standard", "--duration", "12",
-         "--json", str(out_json), "--redis-url", redis_url],
+         "--seed", "3", "--json", str(out_json), "--redis-url", redis_url],
         capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr
@@ -105,6 +105,12 @@ def test_bench_accuracy_shows_progress_and_refuses_to_pass_a_short_run(redis_url
     assert runs["geolimit"]["insufficient"].startswith("12 s is shorter than the 30 s")
     assert runs["no replication"]["accuracy"]["max_over_pct"] > 100  # each region alone admits ~3x
     assert {t["verdict"] for t in data["targets"]} == {"INSUFFICIENT"}
+    # --seed draws other arrivals (the figures vary by seed; the default is each scenario's own, 7)
+    assert "seed 3" in run.stdout
+    seeded = replace(SCENARIOS["standard"], duration=12.0, seed=3)
+    assert runs["exact"]["settings"]["seed"] == 3
+    assert runs["exact"]["accuracy"]["requests"] == len(arrivals(seeded))
+    assert len(arrivals(seeded)) != len(arrivals(replace(seeded, seed=7)))
 
 
 def test_unknown_scenarios_are_refused() -> None:
