@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["EngineSettings", "PeerState"]
+from geolimit.core.rule import Rule
+
+__all__ = ["EngineSettings", "PeerState", "heartbeat_for"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,22 @@ class EngineSettings:
     ae_settle: float = 10.0
     ae_duty: float = 1.0  # share of Redis time anti-entropy scans may take (each script call is ~1 ms anyway)
     anti_entropy: bool = True  # initiate exchanges (one worker per region does; every worker serves them)
+
+
+def heartbeat_for(interval: float, rules: Iterable[Rule]) -> float:
+    """How often an idle agent sends an (empty) delta: a quarter of the shortest
+    ``partition_after`` of the gossip rules that watch peers' freshness (``predict``,
+    or a ``share`` / ``closed`` partition policy), at most 1 s and at least one interval.
+
+    A healthy peer's counts are up to a heartbeat, two intervals and a round trip old
+    here (see ``GossipEngine.peer_ages``). With a heartbeat of 1 s and the default
+    ``partition_after`` of 1 s, an idle but healthy peer looked partitioned for the
+    last ~0.2 s of every second: ``closed`` rules denied everything, ``share`` rules
+    reserved a fair share, and predictions ended at once in every region.
+    """
+    watched = (r.partition_after for r in rules if not r.escrow and (r.predict or r.partition != "local"))
+    shortest = min(watched, default=4.0)
+    return max(interval, min(1.0, shortest / 4))
 
 
 @dataclass

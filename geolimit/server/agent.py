@@ -32,6 +32,7 @@ from geolimit.replication.escrow import EscrowReplicator
 from geolimit.replication.escrow_http import EscrowHttpTransport, add_escrow_routes
 from geolimit.replication.escrow_io import EscrowStore
 from geolimit.replication.gossip import EngineSettings, GossipEngine
+from geolimit.replication.peers import heartbeat_for
 from geolimit.replication.redis_io import ReplicationStore
 from geolimit.replication.replay import RedisReplayGuard
 from geolimit.replication.transport import HttpTransport, Transport
@@ -120,7 +121,7 @@ class Agent:
         settings = EngineSettings(
             interval=cfg.interval, anti_entropy_interval=cfg.anti_entropy_interval,
             max_backoff=cfg.max_backoff or 2 * cfg.interval,
-            heartbeat=max(1.0, cfg.interval), lease_ttl=max(15.0, 20 * cfg.interval),
+            heartbeat=heartbeat_for(cfg.interval, cfg.rules), lease_ttl=max(15.0, 20 * cfg.interval),
             max_cells_per_message=max(1000, min(10_000, cfg.max_message_bytes // 40)), send_timeout=cfg.timeout,
             anti_entropy=self.worker_index == 0,  # one initiator per region; every worker serves exchanges
         )

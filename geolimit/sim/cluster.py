@@ -31,6 +31,7 @@ from geolimit.core.keys import glob_escape
 from geolimit.core.rule import Rule
 from geolimit.errors import ConfigError, StorageError
 from geolimit.replication.gossip import EngineSettings, GossipEngine
+from geolimit.replication.peers import heartbeat_for
 from geolimit.replication.redis_io import ReplicationStore
 from geolimit.sim.network import SimNetwork
 from geolimit.sim.scheduler import Scheduler, SkewedClock, VirtualTime
@@ -84,7 +85,9 @@ class SimCluster(VirtualTime):
         self.rng = random.Random(seed)
         self.network = SimNetwork(self.scheduler, latency, jitter, random.Random(seed + 1))
         self.skew = dict(skew or {})
-        self.settings = EngineSettings(interval=interval, **(settings or {}))
+        # As the agent: an idle agent's heartbeat is set by the rules' partition_after.
+        self.settings = EngineSettings(**{"interval": interval, "heartbeat": heartbeat_for(interval, rules),
+                                          **(settings or {})})
         self.regions: dict[str, SimRegion] = {}
 
     def _limiter(self, name: str, db: int, clock: SkewedClock) -> AsyncLimiter:
