@@ -235,3 +235,25 @@ async def test_a_peer_whose_clock_is_outside_the_window_is_reported_with_its_off
     logged = [r.getMessage() for r in caplog.records if "refused gossip from a" in r.getMessage()]
     assert len(logged) == 1  # the first refusal, not every one
     assert "+45.0 s off ours" in logged[0]
+
+
+@pytest.mark.parametrize("offset", [2**62 // 10**6, 31.0, -31.0, -10**9])
+async def test_a_body_time_outside_the_auth_window_gets_400_and_moves_no_clock(target: Regions, offset: float) -> None:
+    """The body's ``now`` feeds the peer's clock offset (the agreed clock) and its update gap
+    (prediction); the header time is checked against the auth window, so must the body's be.
+    Once, one signed message with ``now`` = 2**62 set the region's clock correction to +60 s."""
+    clock = target.clock
+    assert isinstance(clock, ManualClock)
+    client = target["b"].client()
+    before = dump_all(client)
+    peer = target["b"].agent.engine.peers["a"]  # type: ignore[union-attr]
+    update_us = peer.update_us
+    now_us = max(1, int((clock() + offset) * 1_000_000))
+    body = _message([], now_us=now_us)
+    status, reply = await _post(target, body, _signer(target).headers(body, "b"))
+    assert status == 400, reply
+    assert reply["reason"] == "decode"
+    assert "now" in str(reply["error"])
+    assert dump_all(client) == before
+    assert abs(peer.skew) < 1
+    assert peer.update_us == update_us
