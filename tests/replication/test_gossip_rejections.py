@@ -167,6 +167,7 @@ def _malformed(rs: Regions) -> dict[str, bytes]:
         "floor_above_receivers_own_count": cells((bucket, 0, 0, 10**6 * SUBSTEPS), slots=(own,)),
         "duplicate_slot_ids": cells((bucket, 0, 5, 0), slots=("a/x1", "a/x1")),
         "too_many_new_slot_ids": cells((bucket, 0, 5, 0), slots=tuple(f"a/n{i}" for i in range(40))),
+        "key_of_another_shard": _message([((shard + 1) % 64, _blob([(bucket, 0, 5, 0)], ["a/x1"]))]),
         "one_bad_blob_of_two": _message([
             (shard, _blob([(bucket, 0, 5, 0)], ["a/x1"])),
             (shard, _blob([(bucket, 0, 2**62, 0)], ["a/x1"], b"other")),
@@ -179,7 +180,7 @@ MALFORMED = [
     "other_shard_count", "blob_not_bytes", "shard_out_of_range", "huge_array_header", "blob_not_msgpack",
     "slot_ref_out_of_range", "negative_value", "float_bucket", "ragged_cells", "v2_blob", "value_2_62", "floor_2_62",
     "unconfigured_region_slot", "more_in_receivers_own_slot", "floor_above_receivers_own_count", "duplicate_slot_ids", "too_many_new_slot_ids",
-    "one_bad_blob_of_two",
+    "key_of_another_shard", "one_bad_blob_of_two",
 ]
 
 
