@@ -91,6 +91,22 @@ def _read_token(path: str) -> str:
     return token
 
 
+def _agent_url(agent: str, path: str) -> str:
+    """``agent`` (an --agent value) joined with ``path``; ConfigError unless it is an http(s) URL."""
+    from urllib.parse import urlsplit
+
+    from geolimit.errors import ConfigError
+
+    try:
+        parts = urlsplit(agent)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number from 0 to 65535
+    except ValueError:
+        parts = urlsplit("")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--agent must be an http:// or https:// URL such as 'http://127.0.0.1:7400', got {agent!r}")
+    return agent.rstrip("/") + path
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     """Ask an agent for a decision.
 
@@ -105,18 +121,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from geolimit.errors import ConfigError
 
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
-    if args.token_file:
-        try:
+    try:
+        url = _agent_url(args.agent, "/v1/peek" if args.peek else "/v1/check")
+        if args.token_file:
             headers["Authorization"] = f"Bearer {_read_token(args.token_file)}"
-        except ConfigError as exc:
-            print(f"geolimit: error: {exc}", file=sys.stderr)
-            return 2
+    except ConfigError as exc:
+        print(f"geolimit: error: {exc}", file=sys.stderr)
+        return 2
     body = {"rules" if len(args.rule) > 1 else "rule": args.rule if len(args.rule) > 1 else args.rule[0],
             "subject": args.subject, "cost": args.cost}
-    path = "/v1/peek" if args.peek else "/v1/check"
-    request = urllib.request.Request(
-        args.agent.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers, method="POST",
-    )
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as resp:
             decision = json.loads(resp.read())
@@ -168,13 +182,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from geolimit.errors import ConfigError
 
     headers = {}
-    if args.token_file:
-        try:
+    try:
+        url = _agent_url(args.agent, "/v1/status")
+        if args.token_file:
             headers["Authorization"] = f"Bearer {_read_token(args.token_file)}"
-        except ConfigError as exc:
-            print(f"geolimit: error: {exc}", file=sys.stderr)
-            return 2
-    request = urllib.request.Request(args.agent.rstrip("/") + "/v1/status", headers=headers)
+    except ConfigError as exc:
+        print(f"geolimit: error: {exc}", file=sys.stderr)
+        return 2
+    request = urllib.request.Request(url, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as resp:
             status = json.loads(resp.read())
