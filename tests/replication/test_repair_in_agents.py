@@ -222,3 +222,32 @@ async def test_after_a_wipe_the_other_peers_agree_on_the_wiped_regions_last_hits
     rs["b"].agent.set_peer_url("c", rs.urls["c"])
     await rs.step(30)  # 3 s of rounds: the wipe's exchanges and every delta
     assert by_region(rs, "a") == by_region(rs, "b") == by_region(rs, "c") == {"b": 8}
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (attack report 2026-11-26): slot registries are never "
+                   "reclaimed, so a region's wipes fill its peers' registries and then its new incarnation is refused")
+async def test_a_region_whose_redis_is_wiped_again_and_again_still_replicates(
+    redis_server_factory: Factory,
+) -> None:
+    """Every wipe of b's Redis gives each of b's shards a new incarnation, one more slot id in
+    a's registry of that shard; nothing removes the ids of incarnations whose cells are gone.
+    With the default cap (256 ids), a refuses b's blobs after about 250 wipes ("the shard's
+    slot registry is full", seen in a real run: a Redis without persistence restarted nightly
+    gets there in 8 months), and b's hits never reach a again. The cap is 12 here to be quick.
+    """
+    from geolimit.replication.redis_io import Limits
+
+    rule = Rule("api", 1000, 10, 1)
+    async with Regions(redis_server_factory, ["a", "b"], [rule], run_loops=False) as rs:
+        await rs.step(2)
+        engine = rs["a"].agent.engine
+        assert engine is not None
+        engine.store.limits = Limits(max_slots=12)
+        b = rs["b"].app()
+        for _ in range(20):
+            rs["b"].client().flushall()
+            b.hit("api", "victim")
+            await rs.step(3)
+            assert rs["a"].app().usage("api", "victim").total == 1
+            rs.clock.advance(20)  # the hit leaves the window: the old incarnation holds nothing
+            await rs.step(1)
