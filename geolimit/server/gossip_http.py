@@ -63,13 +63,7 @@ def add_gossip_routes(app: web.Application, agent: GossipAgent) -> None:
             message = wire.decode(body)
             if message.sender != sender:
                 raise ProtocolError(f"body says it is from {message.sender!r}, headers say {sender!r}")
-            # The body's time feeds the peer's clock offset (the agreed clock) and its update
-            # gap (prediction): it is held to the auth window, as the header's time is.
-            if message.now_us and not abs(message.now_us / 1_000_000 - auth.now) <= agent.verifier.window:
-                raise ProtocolError(
-                    f"body time now is {message.now_us / 1_000_000 - auth.now:+.1f}s off ours "
-                    f"(allowed ±{agent.verifier.window:g}s)"
-                )
+            agent.verifier.check_body_time(message.now_us)
         except ProtocolError as exc:
             metrics.rejected.labels("decode").inc()
             log.warning("gossip from %s refused: %s", sender, exc)

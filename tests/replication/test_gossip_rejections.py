@@ -258,3 +258,22 @@ async def test_a_body_time_outside_the_auth_window_gets_400_and_moves_no_clock(t
     assert dump_all(client) == before
     assert abs(peer.skew) < 1
     assert peer.update_us == update_us
+
+
+async def test_an_answer_whose_body_time_is_outside_the_auth_window_fails_the_exchange(target: Regions) -> None:
+    """Anti-entropy answers feed the sender's clock offset for the peer too (``note_reach``)."""
+    a, b = target["a"].agent.engine, target["b"].agent.engine
+    assert a is not None
+    assert b is not None
+    honest = b.message
+
+    def hostile(kind: str, dest: str, blobs: list[tuple[int, bytes]] | None = None) -> wire.Message:
+        reply = honest(kind, dest, blobs)
+        reply.now_us = 2**62
+        return reply
+
+    b.message = hostile  # type: ignore[method-assign]
+    a.peers["b"].ae_needed = True
+    await target.step(1, ["a"])
+    assert abs(a.peers["b"].skew) < 1
+    assert "now" in str(a.peers["b"].ae_last_error)
