@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from geolimit import __version__
 from geolimit.errors import GeolimitError
@@ -173,6 +174,38 @@ def _age(seconds: object) -> str:
     return f"{float(seconds):.1f}s ago" if isinstance(seconds, int | float) else "age unknown"
 
 
+def _status_lines(status: dict[str, Any]) -> list[str]:
+    """``/v1/status`` as the lines of ``geolimit status``'s table."""
+    ready = "ready" if status.get("ready") else "NOT READY: " + "; ".join(status.get("waiting_for", []))
+    worker = status.get("worker") or {}
+    shown = ""
+    region_peers = worker.get("region_peers") or {}
+    if worker.get("workers", 1) > 1:  # counters are those of the worker that answered
+        shown = f"  worker {worker.get('index')} of {worker.get('workers')} ({worker.get('shards')} shards)"
+        if region_peers:
+            shown += "; last contact, lag and outbox: all workers"
+    lines = [f"region {status['region']}  incarnation {status.get('incarnation')}  {ready}{shown}"]
+    rows = [("peer", "last contact", "lag", "outbox", "errors", "failing", "rtt", "clock", "last error")]
+    for name, peer in sorted(status.get("peers", {}).items()):
+        peer = {**peer, **region_peers.get(name, {})}  # the region's figures where the workers share them
+        age = peer.get("last_contact_age")
+        last_error = peer.get("last_error")
+        rows.append((
+            name,
+            "never" if age is None else f"{age:.1f}s ago",
+            f"{peer.get('lag', 0):.3f}s",
+            str(peer.get("outbox", 0)),
+            str(peer.get("errors", 0)),
+            str(peer.get("consecutive_failures", 0)),
+            f"{peer.get('rtt', 0) * 1000:.1f}ms",
+            f"{peer.get('clock_offset', 0):+.3f}s",
+            f"{_age(peer.get('last_error_age'))}: {last_error}" if last_error else "",  # whole, never cut
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip() for row in rows]
+    return lines
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     """Print an agent's region, incarnation and peers as a table (last errors whole, with their age)."""
     import json
@@ -193,7 +226,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as resp:
             status = json.loads(resp.read())
-        region = status["region"]
+        status["region"]  # KeyError or TypeError unless this is an agent's status
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode("utf-8", "replace").strip()
         hint = _http_error_hint(exc.code, bool(args.token_file))
@@ -205,34 +238,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
-    ready = "ready" if status.get("ready") else "NOT READY: " + "; ".join(status.get("waiting_for", []))
-    worker = status.get("worker") or {}
-    shown = ""
-    region_peers = worker.get("region_peers") or {}
-    if worker.get("workers", 1) > 1:  # counters are those of the worker that answered
-        shown = f"  worker {worker.get('index')} of {worker.get('workers')} ({worker.get('shards')} shards)"
-        if region_peers:
-            shown += "; last contact, lag and outbox: all workers"
-    print(f"region {region}  incarnation {status.get('incarnation')}  {ready}{shown}")
-    rows = [("peer", "last contact", "lag", "outbox", "errors", "failing", "rtt", "clock", "last error")]
-    for name, peer in sorted(status.get("peers", {}).items()):
-        peer = {**peer, **region_peers.get(name, {})}  # the region's figures where the workers share them
-        age = peer.get("last_contact_age")
-        last_error = peer.get("last_error")
-        rows.append((
-            name,
-            "never" if age is None else f"{age:.1f}s ago",
-            f"{peer.get('lag', 0):.3f}s",
-            str(peer.get("outbox", 0)),
-            str(peer.get("errors", 0)),
-            str(peer.get("consecutive_failures", 0)),
-            f"{peer.get('rtt', 0) * 1000:.1f}ms",
-            f"{peer.get('clock_offset', 0):+.3f}s",
-            f"{_age(peer.get('last_error_age'))}: {last_error}" if last_error else "",  # whole, never cut
-        ))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip())
+    try:
+        lines = _status_lines(status)
+    except (AttributeError, TypeError, ValueError, KeyError) as exc:  # JSON, but not an agent's status
+        print(f"geolimit: error: agent {args.agent} sent an unexpected status: {exc!r}", file=sys.stderr)
+        return 3
+    print("\n".join(lines))
     return 0 if status.get("ready") else 1
 
 
