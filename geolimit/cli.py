@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from geolimit import __version__
 from geolimit.errors import GeolimitError
@@ -91,6 +92,22 @@ def _read_token(path: str) -> str:
     return token
 
 
+def _agent_url(agent: str, path: str) -> str:
+    """``agent`` (an --agent value) joined with ``path``; ConfigError unless it is an http(s) URL."""
+    from urllib.parse import urlsplit
+
+    from geolimit.errors import ConfigError
+
+    try:
+        parts = urlsplit(agent)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number from 0 to 65535
+    except ValueError:
+        parts = urlsplit("")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--agent must be an http:// or https:// URL such as 'http://127.0.0.1:7400', got {agent!r}")
+    return agent.rstrip("/") + path
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     """Ask an agent for a decision.
 
@@ -105,18 +122,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from geolimit.errors import ConfigError
 
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
-    if args.token_file:
-        try:
+    try:
+        url = _agent_url(args.agent, "/v1/peek" if args.peek else "/v1/check")
+        if args.token_file:
             headers["Authorization"] = f"Bearer {_read_token(args.token_file)}"
-        except ConfigError as exc:
-            print(f"geolimit: error: {exc}", file=sys.stderr)
-            return 2
+    except ConfigError as exc:
+        print(f"geolimit: error: {exc}", file=sys.stderr)
+        return 2
     body = {"rules" if len(args.rule) > 1 else "rule": args.rule if len(args.rule) > 1 else args.rule[0],
             "subject": args.subject, "cost": args.cost}
-    path = "/v1/peek" if args.peek else "/v1/check"
-    request = urllib.request.Request(
-        args.agent.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers, method="POST",
-    )
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as resp:
             decision = json.loads(resp.read())
@@ -159,37 +174,8 @@ def _age(seconds: object) -> str:
     return f"{float(seconds):.1f}s ago" if isinstance(seconds, int | float) else "age unknown"
 
 
-def _cmd_status(args: argparse.Namespace) -> int:
-    """Print an agent's region, incarnation and peers as a table (last errors whole, with their age)."""
-    import json
-    import urllib.error
-    import urllib.request
-
-    from geolimit.errors import ConfigError
-
-    headers = {}
-    if args.token_file:
-        try:
-            headers["Authorization"] = f"Bearer {_read_token(args.token_file)}"
-        except ConfigError as exc:
-            print(f"geolimit: error: {exc}", file=sys.stderr)
-            return 2
-    request = urllib.request.Request(args.agent.rstrip("/") + "/v1/status", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=args.timeout) as resp:
-            status = json.loads(resp.read())
-        region = status["region"]
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode("utf-8", "replace").strip()
-        hint = _http_error_hint(exc.code, bool(args.token_file))
-        print(f"geolimit: error: agent {args.agent} answered HTTP {exc.code}: {detail}{hint}", file=sys.stderr)
-        return 2
-    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"geolimit: error: agent {args.agent} unreachable or not an agent: {exc!r}", file=sys.stderr)
-        return 3
-    if args.json:
-        print(json.dumps(status, indent=2))
-        return 0
+def _status_lines(status: dict[str, Any]) -> list[str]:
+    """``/v1/status`` as the lines of ``geolimit status``'s table."""
     ready = "ready" if status.get("ready") else "NOT READY: " + "; ".join(status.get("waiting_for", []))
     worker = status.get("worker") or {}
     shown = ""
@@ -198,7 +184,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         shown = f"  worker {worker.get('index')} of {worker.get('workers')} ({worker.get('shards')} shards)"
         if region_peers:
             shown += "; last contact, lag and outbox: all workers"
-    print(f"region {region}  incarnation {status.get('incarnation')}  {ready}{shown}")
+    lines = [f"region {status['region']}  incarnation {status.get('incarnation')}  {ready}{shown}"]
     rows = [("peer", "last contact", "lag", "outbox", "errors", "failing", "rtt", "clock", "last error")]
     for name, peer in sorted(status.get("peers", {}).items()):
         peer = {**peer, **region_peers.get(name, {})}  # the region's figures where the workers share them
@@ -216,8 +202,48 @@ def _cmd_status(args: argparse.Namespace) -> int:
             f"{_age(peer.get('last_error_age'))}: {last_error}" if last_error else "",  # whole, never cut
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip())
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip() for row in rows]
+    return lines
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    """Print an agent's region, incarnation and peers as a table (last errors whole, with their age)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from geolimit.errors import ConfigError
+
+    headers = {}
+    try:
+        url = _agent_url(args.agent, "/v1/status")
+        if args.token_file:
+            headers["Authorization"] = f"Bearer {_read_token(args.token_file)}"
+    except ConfigError as exc:
+        print(f"geolimit: error: {exc}", file=sys.stderr)
+        return 2
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as resp:
+            status = json.loads(resp.read())
+        status["region"]  # KeyError or TypeError unless this is an agent's status
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode("utf-8", "replace").strip()
+        hint = _http_error_hint(exc.code, bool(args.token_file))
+        print(f"geolimit: error: agent {args.agent} answered HTTP {exc.code}: {detail}{hint}", file=sys.stderr)
+        return 2
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"geolimit: error: agent {args.agent} unreachable or not an agent: {exc!r}", file=sys.stderr)
+        return 3
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    try:
+        lines = _status_lines(status)
+    except (AttributeError, TypeError, ValueError, KeyError) as exc:  # JSON, but not an agent's status
+        print(f"geolimit: error: agent {args.agent} sent an unexpected status: {exc!r}", file=sys.stderr)
+        return 3
+    print("\n".join(lines))
     return 0 if status.get("ready") else 1
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from geolimit.core.keys import MAX_SHARDS
 from geolimit.core.rule import Rule, parse_duration, parse_rates
 from geolimit.errors import ConfigError, GeolimitError
 from geolimit.limiter_base import validate_region
@@ -29,7 +30,7 @@ else:  # pragma: no cover
 
 __all__ = [
     "LOG_KEYS", "MAX_WORKERS", "check_keys", "check_workers", "get_table", "load_toml", "parse_listen", "parse_log", "parse_positive_int",
-    "parse_redis_url", "parse_region", "parse_rule_groups", "parse_rules", "parse_seconds", "read_secret",
+    "parse_redis_url", "parse_region", "parse_rule_groups", "parse_rules", "parse_seconds", "parse_shards", "read_secret",
     "read_token", "require", "resolve_path",
 ]
 
@@ -113,6 +114,13 @@ def parse_seconds(value: object, src: str, where: str) -> float:
 def parse_positive_int(value: object, src: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{src}: {where} must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_shards(value: object, src: str, where: str) -> int:
+    """A shard count from 1 to :data:`~geolimit.core.keys.MAX_SHARDS` (``where`` names the setting)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SHARDS:
+        raise ConfigError(f"{src}: {where} must be an integer from 1 to {MAX_SHARDS}, got {value!r}")
     return value
 
 

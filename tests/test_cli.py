@@ -71,3 +71,14 @@ def test_agent_workers_flag_is_checked_before_anything_starts(tmp_path: Path) ->
     assert "--workers = 2 needs a fixed port in region.listen" in out.stderr
     out = _run("agent", "--config", str(config), "--workers", "2", "--worker-index", "2")
     assert (out.returncode, out.stderr.strip()) == (1, "geolimit: error: --worker-index must be from 0 to 1, got 2")
+
+
+def test_malformed_urls_are_one_line_errors() -> None:
+    """Once, an unclosed IPv6 bracket or a URL without a scheme ended in a ValueError traceback."""
+    expected = "geolimit: error: --agent must be an http:// or https:// URL such as 'http://127.0.0.1:7400', got "
+    for args in (("status", "--agent", "http://[::1"), ("status", "--agent", "notaurl"),
+                 ("check", "--agent", "http://[::1", "api", "u"), ("check", "--agent", "ftp://x", "api", "u")):
+        out = _run(*args)
+        assert (out.returncode, out.stderr.strip()) == (2, f"{expected}{args[2]!r}"), args
+    out = _run("try", "--redis", "redis://[::1", "3/10s", "u")
+    assert (out.returncode, out.stderr.strip()) == (1, "geolimit: error: invalid Redis URL 'redis://[::1': Invalid IPv6 URL")

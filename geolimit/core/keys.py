@@ -25,7 +25,10 @@ from dataclasses import dataclass
 
 from geolimit.errors import ConfigError, RequestError
 
-__all__ = ["MAX_SUBJECT_BYTES", "KeyLayout", "encode_subject", "glob_escape"]
+__all__ = ["MAX_SHARDS", "MAX_SUBJECT_BYTES", "KeyLayout", "encode_subject", "glob_escape"]
+
+#: The most virtual shards of a key layout (``shards``).
+MAX_SHARDS = 16384
 
 MAX_SUBJECT_BYTES = 4096
 
@@ -63,8 +66,8 @@ class KeyLayout:
             raise ConfigError(
                 f"invalid key prefix {self.prefix!r}: must be non-empty and contain none of '{{', '}}', '#'"
             )
-        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or not 1 <= self.shards <= 16384:
-            raise ConfigError(f"shards must be an integer from 1 to 16384, got {self.shards!r}")
+        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or not 1 <= self.shards <= MAX_SHARDS:
+            raise ConfigError(f"shards must be an integer from 1 to {MAX_SHARDS}, got {self.shards!r}")
         object.__setattr__(self, "_p", self.prefix.encode())
         object.__setattr__(
             self, "_tags", [self.prefix.encode() + b":{%d}" % s for s in range(self.shards)]

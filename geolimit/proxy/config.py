@@ -66,6 +66,7 @@ from geolimit.toml_config import (
     parse_region,
     parse_rule_groups,
     parse_seconds,
+    parse_shards,
     read_token,
     require,
     resolve_path,
@@ -189,7 +190,7 @@ def _proxy_options(proxy: Mapping[str, Any], src: str) -> dict[str, Any]:
     if "key_prefix" in proxy:
         opts["key_prefix"] = require(proxy, "key_prefix", str, src, "proxy.key_prefix")
     if "shards" in proxy:
-        opts["shards"] = parse_positive_int(proxy["shards"], src, "proxy.shards")
+        opts["shards"] = parse_shards(proxy["shards"], src, "proxy.shards")
     return opts
 
 
@@ -217,11 +218,11 @@ def _mode(proxy: Mapping[str, Any], src: str, base: Path, opts: dict[str, Any]) 
 
 
 def _http_url(url: str, src: str, where: str) -> str:
-    parts = urlsplit(url)
     try:
+        parts = urlsplit(url)  # ValueError for an unclosed IPv6 bracket
         parts.port  # noqa: B018 - raises ValueError for a bad port
     except ValueError:
-        parts = parts._replace(netloc="")
+        parts = urlsplit("")
     if (parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment
             or parts.path not in ("", "/") or parts.username or parts.password):
         raise ConfigError(f"{src}: {where} must be an http:// or https:// URL without a path, "

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from typing import NamedTuple
 
-from geolimit.errors import AuthenticationError, ClockSkewError, ConfigError
+from geolimit.errors import AuthenticationError, ClockSkewError, ConfigError, ProtocolError
 from geolimit.replication.replay import MemoryReplayGuard, ReplayGuard
 
 __all__ = [
@@ -198,6 +198,16 @@ class Verifier:
         if not await self.guard.check_and_record(region, seq, when, now):
             raise AuthenticationError(f"replayed message (seq {seq} from {region!r} already accepted)")
         return region
+
+    def check_body_time(self, now_us: int) -> None:
+        """A decoded message's own time (``now``, µs; 0: absent) must be within the auth window
+        of ours, as its header's time is: it feeds the peer's clock offset (the agreed clock)
+        and its update gap (prediction). :class:`ProtocolError` otherwise."""
+        if now_us and not abs(now_us / 1_000_000 - self._clock()) <= self.window:
+            raise ProtocolError(
+                f"message body time now is {now_us / 1_000_000 - self._clock():+.1f}s off ours "
+                f"(allowed ±{self.window:g}s)"
+            )
 
     def verify_response(self, headers: Mapping[str, str], body: bytes, expect_seq: int, sender: str) -> str:
         """Checks that ``sender`` answered our request ``expect_seq``, for us; returns ``sender``."""

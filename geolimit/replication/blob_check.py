@@ -10,6 +10,7 @@ a full registry) and claims on the receiver's own current slot.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -37,11 +38,17 @@ def _refuse(why: str) -> ProtocolError:
     return ProtocolError(why)
 
 
-def vet_blob(blob: bytes, allowed: Collection[bytes], max_cells: int, max_slots: int) -> VettedBlob:
+def vet_blob(
+    blob: bytes, allowed: Collection[bytes], max_cells: int, max_slots: int, shard: int | None = None,
+    shards: int = 0,
+) -> VettedBlob:
     """Check ``blob``'s structure, types and ranges; raise :class:`ProtocolError` naming the first fault
     (in the words ``merge.lua`` uses).
 
-    ``allowed``: the configured regions (slot ids of other regions are refused).
+    ``allowed``: the configured regions (slot ids of other regions are refused). With
+    ``shard`` (of ``shards``), every key's subject must belong to that shard
+    (``KeyLayout.shard_of``): ``merge.lua`` writes a blob's keys under the shard's tag,
+    so a key of another shard became a stray key that no decision reads.
     """
     try:
         # Redis's cmsgpack reads neither bin nor ext: refuse them here, or a blob
@@ -82,6 +89,8 @@ def vet_blob(blob: bytes, allowed: Collection[bytes], max_cells: int, max_slots:
         # bool is not int here (type() is exact), as msgpack never decodes one to an int
         if not set(map(type, counts)) <= {int} or min(counts) < 1:
             raise _refuse("a cell count is not a positive integer")
+        if shard is not None and any(zlib.crc32(k.partition(b":")[2]) % shards != shard for k in keys):
+            raise _refuse(f"a key does not belong to shard {shard}")
     total: int = sum(counts)
     if total > max_cells:
         raise _refuse("too many cells in one blob")

@@ -298,7 +298,7 @@ class ReplicationStore:
             if not 0 <= shard < self.layout.shards:
                 raise ProtocolError(f"blob for shard {shard}, but this region has {self.layout.shards} shards")
             try:
-                vetted = vet_blob(blob, self._allowed, lim.blob_cells, lim.max_slots)
+                vetted = vet_blob(blob, self._allowed, lim.blob_cells, lim.max_slots, shard, self.layout.shards)
             except ProtocolError as exc:
                 raise ProtocolError(f"refused cells for shard {shard}: {exc}") from None
             # What needs Redis state is checked there before anything is written: the

@@ -147,6 +147,7 @@ class HttpTransport:
         reply = wire.decode(payload)
         if reply.sender != peer:
             raise ProtocolError(f"response from {peer} claims to come from {reply.sender!r}")
+        self._verifier.check_body_time(reply.now_us)
         return reply
 
     async def close(self) -> None:

@@ -77,16 +77,17 @@ class Agent:
         self.limiter: AsyncLimiter | None = None
         self.engine: GossipEngine | None = None
         self.escrow: EscrowReplicator | None = None  # escrow rules' rebalancing and replication
+        self._redis_ok = False
+        self._last_redis_error: str | None = None
         # Several workers: each /metrics scrape describes them all (geolimit/worker_metrics.py).
-        self.metrics = AgentMetrics(lambda: self.engine, self._clock, worker=worker_index, workers=config.workers)
+        self.metrics = AgentMetrics(lambda: self.engine, self._clock, worker=worker_index, workers=config.workers,
+                                    redis_unreachable=lambda: not self._redis_ok and self._last_redis_error is not None)
         self._runners: list[web.AppRunner] = []
         self._addresses: list[tuple[str, int]] = []
         self._loop_task: asyncio.Task[None] | None = None
         self._failure: str | None = None  # the last failed round (reported, retried)
         self._round_failures = 0
         self._loop_crashed: str | None = None  # only a BaseException escapes the loop
-        self._redis_ok = False
-        self._last_redis_error: str | None = None
         self._started = self._listening = False
         self.rls: RlsServer | None = None  # the Envoy rate limit service, when rls_listen is set
         self._rls_address: tuple[str, int] | None = None

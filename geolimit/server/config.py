@@ -46,6 +46,7 @@ from geolimit.toml_config import (
     parse_region,
     parse_rules,
     parse_seconds,
+    parse_shards,
     read_secret,
     read_token,
     require,
@@ -182,7 +183,7 @@ def _region_options(region: Mapping[str, Any], src: str, base: Path, listen: tup
     if "key_prefix" in region:
         opts["key_prefix"] = require(region, "key_prefix", str, src, "region.key_prefix")
     if "shards" in region:
-        opts["shards"] = parse_positive_int(region["shards"], src, "region.shards")
+        opts["shards"] = parse_shards(region["shards"], src, "region.shards")
     if "on_error" in region:
         value = require(region, "on_error", str, src, "region.on_error")
         if value not in ("raise", "allow", "deny"):
@@ -263,11 +264,11 @@ def parse_peers(gossip: Mapping[str, Any], src: str, own: str) -> tuple[PeerConf
             raise ConfigError(f"{src}: {where}.name: a region cannot be its own peer ({name!r})")
         if any(p.name == name for p in peers):
             raise ConfigError(f"{src}: {where}.name: duplicate peer {name!r}")
-        parts = urlsplit(url)
         try:
+            parts = urlsplit(url)  # ValueError for an unclosed IPv6 bracket
             parts.port  # noqa: B018 - raises ValueError for a port that is not a number from 0 to 65535
         except ValueError:
-            parts = parts._replace(netloc="")
+            parts = urlsplit("")
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
             raise ConfigError(
                 f"{src}: {where}.url must be an http:// or https:// URL such as 'https://10.0.0.2:7400', got {url!r}"

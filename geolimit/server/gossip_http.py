@@ -8,7 +8,8 @@ Checks run in this order, and a request that fails one never reaches Redis:
    survives restarts), stale or misaddressed messages get 401 (``clock_skew`` when
    a correctly signed message's time is outside the auth window: logged with the
    peer's offset, counted in ``/v1/status`` and ``geolimit_peer_clock_refusals``);
-3. decoding: malformed msgpack or an invalid message gets 400; so do cells that
+3. decoding: malformed msgpack or an invalid message gets 400 (a body time ``now``
+   outside the auth window too: it moves the agreed clock); so do cells that
    ``merge.lua`` refuses (out of range, unknown regions' slots, the receiver's own
    slot, too many new slot ids or cells), with nothing written.
 
@@ -62,6 +63,7 @@ def add_gossip_routes(app: web.Application, agent: GossipAgent) -> None:
             message = wire.decode(body)
             if message.sender != sender:
                 raise ProtocolError(f"body says it is from {message.sender!r}, headers say {sender!r}")
+            agent.verifier.check_body_time(message.now_us)
         except ProtocolError as exc:
             metrics.rejected.labels("decode").inc()
             log.warning("gossip from %s refused: %s", sender, exc)

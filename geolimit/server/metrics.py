@@ -36,11 +36,18 @@ AGE_GAUGES = ("geolimit_peer_contact_age_seconds", "geolimit_peer_lag_seconds")
 class _EngineCollector(Collector):
     """Reads the gossip engine's state at scrape time."""
 
-    def __init__(self, engine: Callable[[], GossipEngine | None], clock: Callable[[], float]) -> None:
+    def __init__(self, engine: Callable[[], GossipEngine | None], clock: Callable[[], float],
+                 redis_unreachable: Callable[[], bool]) -> None:
         self._engine = engine
         self._clock = clock
+        self._redis_unreachable = redis_unreachable
 
     def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "geolimit_redis_unreachable",
+            "1 while this agent's last gossip round could not reach its Redis (with workers: how many cannot)",
+            value=1 if self._redis_unreachable() else 0,
+        )
         engine = self._engine()
         if engine is None:
             return
@@ -90,7 +97,7 @@ class AgentMetrics:
     """Metrics owned by one agent (worker ``worker`` of ``workers``)."""
 
     def __init__(self, engine: Callable[[], GossipEngine | None], clock: Callable[[], float] = time.time, *,
-                 worker: int = 0, workers: int = 1) -> None:
+                 worker: int = 0, workers: int = 1, redis_unreachable: Callable[[], bool] = lambda: False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.decisions = Counter("geolimit_decisions", "Decisions by rule and result", ["rule", "result"], registry=self.registry)
         self.decision_seconds = Histogram(
@@ -102,7 +109,7 @@ class AgentMetrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=self.registry,
         )
         self.rejected = Counter("geolimit_gossip_rejected", "Gossip requests refused, by reason", ["reason"], registry=self.registry)
-        self.registry.register(_EngineCollector(engine, clock))
+        self.registry.register(_EngineCollector(engine, clock, redis_unreachable))
         self.shared = SharedMetrics.for_worker(self.registry, worker, workers, gauges=WORKER_GAUGES, ages=AGE_GAUGES,
                                                clock=clock)
 

@@ -38,7 +38,10 @@ def split_cluster_url(url: str, cluster: bool | None = None) -> tuple[bool, str]
     """``(is_cluster, url redis-py understands)``; ConfigError for unknown schemes."""
     if not isinstance(url, str) or "://" not in url:
         raise ConfigError(f"invalid Redis URL {redact_url(str(url))!r}: expected redis://host:port/db")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # an unclosed IPv6 bracket
+        raise ConfigError(f"invalid Redis URL {redact_url(url)!r}: {exc}") from None
     scheme = parts.scheme.lower()
     if scheme in _CLUSTER_SCHEMES:
         if cluster is False:

@@ -167,6 +167,7 @@ def _malformed(rs: Regions) -> dict[str, bytes]:
         "floor_above_receivers_own_count": cells((bucket, 0, 0, 10**6 * SUBSTEPS), slots=(own,)),
         "duplicate_slot_ids": cells((bucket, 0, 5, 0), slots=("a/x1", "a/x1")),
         "too_many_new_slot_ids": cells((bucket, 0, 5, 0), slots=tuple(f"a/n{i}" for i in range(40))),
+        "key_of_another_shard": _message([((shard + 1) % 64, _blob([(bucket, 0, 5, 0)], ["a/x1"]))]),
         "one_bad_blob_of_two": _message([
             (shard, _blob([(bucket, 0, 5, 0)], ["a/x1"])),
             (shard, _blob([(bucket, 0, 2**62, 0)], ["a/x1"], b"other")),
@@ -179,7 +180,7 @@ MALFORMED = [
     "other_shard_count", "blob_not_bytes", "shard_out_of_range", "huge_array_header", "blob_not_msgpack",
     "slot_ref_out_of_range", "negative_value", "float_bucket", "ragged_cells", "v2_blob", "value_2_62", "floor_2_62",
     "unconfigured_region_slot", "more_in_receivers_own_slot", "floor_above_receivers_own_count", "duplicate_slot_ids", "too_many_new_slot_ids",
-    "one_bad_blob_of_two",
+    "key_of_another_shard", "one_bad_blob_of_two",
 ]
 
 
@@ -235,3 +236,44 @@ async def test_a_peer_whose_clock_is_outside_the_window_is_reported_with_its_off
     logged = [r.getMessage() for r in caplog.records if "refused gossip from a" in r.getMessage()]
     assert len(logged) == 1  # the first refusal, not every one
     assert "+45.0 s off ours" in logged[0]
+
+
+@pytest.mark.parametrize("offset", [2**62 // 10**6, 31.0, -31.0, -10**9])
+async def test_a_body_time_outside_the_auth_window_gets_400_and_moves_no_clock(target: Regions, offset: float) -> None:
+    """The body's ``now`` feeds the peer's clock offset (the agreed clock) and its update gap
+    (prediction); the header time is checked against the auth window, so must the body's be.
+    Once, one signed message with ``now`` = 2**62 set the region's clock correction to +60 s."""
+    clock = target.clock
+    assert isinstance(clock, ManualClock)
+    client = target["b"].client()
+    before = dump_all(client)
+    peer = target["b"].agent.engine.peers["a"]  # type: ignore[union-attr]
+    update_us = peer.update_us
+    now_us = max(1, int((clock() + offset) * 1_000_000))
+    body = _message([], now_us=now_us)
+    status, reply = await _post(target, body, _signer(target).headers(body, "b"))
+    assert status == 400, reply
+    assert reply["reason"] == "decode"
+    assert "now" in str(reply["error"])
+    assert dump_all(client) == before
+    assert abs(peer.skew) < 1
+    assert peer.update_us == update_us
+
+
+async def test_an_answer_whose_body_time_is_outside_the_auth_window_fails_the_exchange(target: Regions) -> None:
+    """Anti-entropy answers feed the sender's clock offset for the peer too (``note_reach``)."""
+    a, b = target["a"].agent.engine, target["b"].agent.engine
+    assert a is not None
+    assert b is not None
+    honest = b.message
+
+    def hostile(kind: str, dest: str, blobs: list[tuple[int, bytes]] | None = None) -> wire.Message:
+        reply = honest(kind, dest, blobs)
+        reply.now_us = 2**62
+        return reply
+
+    b.message = hostile  # type: ignore[method-assign]
+    a.peers["b"].ae_needed = True
+    await target.step(1, ["a"])
+    assert abs(a.peers["b"].skew) < 1
+    assert "now" in str(a.peers["b"].ae_last_error)

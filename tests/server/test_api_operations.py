@@ -179,6 +179,12 @@ async def test_redis_down_gives_503_while_status_and_health_keep_answering(
     agent = await start_agent(on_error="raise")
     assert (await check(session, agent, U))[0] == 200
     await eventually(lambda: agent.readiness()[0], what="readiness")
+
+    async def redis_unreachable() -> float:
+        async with session.get(agent.api_url + "/metrics") as resp:
+            return _sample(families(await resp.text()), "geolimit_redis_unreachable")
+
+    assert await redis_unreachable() == 0
     port = region_redis.port
     region_redis.stop()
 
@@ -197,9 +203,12 @@ async def test_redis_down_gives_503_while_status_and_health_keep_answering(
         return status == 503 and any("redis" in reason for reason in body["waiting_for"])
 
     await eventually(not_ready, what="/readyz reporting Redis down")
+    # /metrics says so too (once, a Redis outage changed no figure there but the contact ages).
+    assert await redis_unreachable() == 1
 
     redis_server_factory(port=port)  # Redis is back, empty, on the same address
     await eventually(lambda: agent.readiness()[0], what="ready again")
+    assert await redis_unreachable() == 0
     status, d = await check(session, agent, U)
     assert (status, d["allowed"], d["remaining"]) == (200, True, 4)
 

@@ -65,3 +65,32 @@ async def test_status_hints_at_api_listen_and_token_file_and_shows_whole_errors(
     await eventually(whole_error_shown, timeout=20, what="peer b's last error shown whole (> 60 characters)")
     agent.proc.send_signal(signal.SIGTERM)
     assert await agent.wait(timeout=20) == 0
+
+
+async def test_status_of_a_json_service_that_is_not_an_agent_is_a_one_line_error() -> None:
+    """Once, any JSON with a "region" (another service, another version) ended in a traceback."""
+    from aiohttp import web
+
+    answers = [{"region": "x", "peers": [1, 2]}, {"region": "x", "peers": {"a": 5}},
+               {"region": "x", "worker": 7}, {"region": "x", "waiting_for": 5}]
+    served = iter(answers)
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response(next(served))
+
+    app = web.Application()
+    app.router.add_get("/v1/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        for _ in answers:
+            ran = await cli("status", "--agent", f"http://127.0.0.1:{port}")
+            assert ran.code == 3, ran
+            assert ran.stderr.count("\n") == 1, ran.stderr
+            assert ran.stderr.startswith(f"geolimit: error: agent http://127.0.0.1:{port}"), ran.stderr
+            assert "sent an unexpected status" in ran.stderr, ran.stderr
+    finally:
+        await runner.cleanup()

@@ -182,6 +182,7 @@ PEER_PROBLEMS = [
     pytest.param({"name": "d", "url": "10.0.0.4:7400"}, "gossip.peers[2].url", id="no-scheme"),
     pytest.param({"name": "d", "url": "http://10.0.0.4:port"}, "gossip.peers[2].url", id="bad-port"),
     pytest.param({"name": "d", "url": "http://"}, "gossip.peers[2].url", id="no-host"),
+    pytest.param({"name": "d", "url": "http://[::1:7400"}, "gossip.peers[2].url", id="unclosed-ipv6-bracket"),
     pytest.param({"name": "d e", "url": "http://10.0.0.4:7400"}, "gossip.peers[2].name", id="bad-name"),
 ]
 
@@ -191,6 +192,17 @@ def test_peers_are_validated(tmp_path: Path, secret: bytes, peer: dict[str, str]
     data = valid()
     data["gossip"]["peers"].append(peer)
     assert expected in refused(tmp_path, data)
+
+
+@pytest.mark.parametrize("shards", [16385, 10**11])
+def test_a_shard_count_above_the_layouts_limit_is_refused(tmp_path: Path, secret: bytes, shards: int) -> None:
+    """Once, region.shards = 10**11 passed the config and the agent died of a MemoryError
+    (a traceback) building the list of the shards its worker owns."""
+    data = valid()
+    data["region"]["shards"] = shards
+    message = refused(tmp_path, data)
+    assert "region.shards" in message
+    assert "16384" in message
 
 
 def test_invalid_toml_names_the_file(tmp_path: Path, secret: bytes) -> None:
