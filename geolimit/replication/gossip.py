@@ -234,6 +234,7 @@ class GossipEngine(Receiver):
             log.warning("region %s: Redis lost the data of %d shards; repairing from peers", self.region, len(wiped))
             for peer in self.peers.values():
                 peer.ae_needed = True
+                peer.ae_after_wipe = True
 
     # -- sending --------------------------------------------------------------
 

@@ -58,6 +58,8 @@ class AntiEntropyDriver:
             max_keys=settings.ae_max_keys, duty=settings.ae_duty,
         )
         self.last: dict[str, AntiEntropyResult] = {}
+        #: Peers whose running exchange repairs a wipe of our Redis (see _merge).
+        self._relay_all: set[str] = set()
 
     def start_due(self, now: float) -> None:
         """Start an exchange with every reachable peer that needs or is due one."""
@@ -85,7 +87,11 @@ class AntiEntropyDriver:
         # of the repair goes through.
         engine = self.engine
         state = engine.peers[peer]
-        merged = await engine.store.merge_blobs(blobs, peer, engine.relays(state), repair=True)
+        # After a wipe our outboxes are gone with the data: what our old incarnation had
+        # sent to one peer and not yet to another comes back only in these repairs, so
+        # they go on to every other peer (max-merges: a duplicate costs nothing else).
+        relay = sorted(p for p in engine.peers if p != peer) if peer in self._relay_all else engine.relays(state)
+        merged = await engine.store.merge_blobs(blobs, peer, relay, repair=True)
         engine.count(state, merged)
 
     async def _run(self, peer: PeerState) -> None:
@@ -97,6 +103,9 @@ class AntiEntropyDriver:
         # one that something asked for (start-up, a wipe, a link back up) compares all.
         periodic = not peer.ae_needed
         peer.ae_needed = False
+        after_wipe, peer.ae_after_wipe = peer.ae_after_wipe, False
+        if after_wipe:
+            self._relay_all.add(peer.name)
         result: AntiEntropyResult | None = None
         stats["ae_runs"] += 1
         try:
@@ -112,8 +121,10 @@ class AntiEntropyDriver:
         finally:
             peer.ae_running = False
             peer.ae_concluded = True
+            self._relay_all.discard(peer.name)
             if result is None:
                 peer.ae_needed = True
+                peer.ae_after_wipe = peer.ae_after_wipe or after_wipe
         if result is None:
             return
         self.last[peer.name] = result

@@ -69,6 +69,7 @@ class PeerState:
     ae_running: bool = False
     ae_due: float = 0.0
     ae_concluded: bool = False
+    ae_after_wipe: bool = False  # the next exchange repairs our wiped Redis: relay what it merges to all
     ae_ok: int = 0
     ae_failures: int = 0  # anti-entropy runs failed in a row (not a sign the peer is down)
     ae_last_error: str | None = None
