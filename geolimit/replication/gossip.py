@@ -37,6 +37,9 @@ __all__ = ["EngineSettings", "GossipEngine", "PeerState"]
 
 log = logging.getLogger("geolimit.gossip")
 
+#: Shards whose registries reclaim.lua looks at per page, and the seconds between pages.
+RECLAIM_SHARDS = 256
+RECLAIM_EVERY = 10.0
 #: Shards whose outbox for an unreachable peer is pruned each round (a page each).
 PRUNE_SHARDS = 4
 
@@ -76,8 +79,10 @@ class GossipEngine(Receiver):
         self.stats: dict[str, float] = dict.fromkeys(
             ("rounds", "round_seconds", "drained", "unknown_rule", "merged", "increased", "bad_values", "relayed",
              "dropped_old", "dropped_future", "own_ahead", "ae_runs", "ae_failed", "ae_cells", "ae_keys_repaired",
-             "wipes", "refused", "refused_by_peers", "pruned", "parked", "unparked"), 0.0
+             "wipes", "refused", "refused_by_peers", "pruned", "parked", "unparked", "slots_reclaimed"), 0.0
         )
+        self._reclaim_next = 0  # index into the owned shards of the next page to reclaim slots in
+        self._reclaim_at = 0.0  # when (engine clock) the next page is due
         self.repair = AntiEntropyDriver(self)
 
     # -- rounds ---------------------------------------------------------------
@@ -98,6 +103,7 @@ class GossipEngine(Receiver):
         self._start_sends(now)
         await self._prune()
         self.repair.start_due(now)
+        await self._reclaim(now)
         self.stats["rounds"] += 1
         self.stats["round_seconds"] = self.clock() - started
 
@@ -136,6 +142,18 @@ class GossipEngine(Receiver):
             shards = [owned[(peer.prune_next + i) % len(owned)] for i in range(min(PRUNE_SHARDS, len(owned)))]
             peer.prune_next = (peer.prune_next + len(shards)) % len(owned)
             self.stats["pruned"] += await self.store.prune(peer.name, peer.prune_cursors, shards)
+
+    async def _reclaim(self, now: float) -> None:
+        """Take back the slot indices of long-idle incarnations (each wipe of a region adds
+        one per shard to its peers' registries): a page of RECLAIM_SHARDS shards every
+        RECLAIM_EVERY seconds, so every shard's registry is looked at within minutes."""
+        owned = self.store.owned
+        if now < self._reclaim_at or not owned:
+            return
+        self._reclaim_at = now + RECLAIM_EVERY
+        shards = [owned[(self._reclaim_next + i) % len(owned)] for i in range(min(RECLAIM_SHARDS, len(owned)))]
+        self._reclaim_next = (self._reclaim_next + len(shards)) % len(owned)
+        self.stats["slots_reclaimed"] += await self.store.reclaim(shards)
 
     async def _resettle(self) -> None:
         """Return in-flight batches whose outcome could not be recorded (Redis was down)."""

@@ -66,6 +66,11 @@ class AntiEntropyDriver:
         if not self.engine.settings.anti_entropy:
             return
         for peer in self.engine.peers.values():
+            if peer.failures and not peer.ae_running:
+                # Unreachable: its first exchange would fail too, so readiness does not wait
+                # for it (which depended on the first send failing only after the exchange
+                # had started); ae_needed stays, and the exchange runs once the peer answers.
+                peer.ae_concluded = True
             ready = now >= peer.next_attempt and now >= peer.ae_retry_at and not peer.failures
             if not peer.ae_running and ready and (peer.ae_needed or now >= peer.ae_due):
                 peer.ae_running = True

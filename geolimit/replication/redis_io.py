@@ -39,6 +39,7 @@ _PACK = load_script("pack")
 _SETTLE = load_script("settle")
 _MERGE = load_script("merge")
 _PRUNE = load_script("prune")
+_RECLAIM = load_script("reclaim")
 
 #: In-flight message slots per peer (drain.lua forgets slots 0..7 of removed peers).
 MAX_WINDOW = 8
@@ -224,6 +225,21 @@ class ReplicationStore:
         mode = b"ack" if delivered else b"nack"
         calls = [[b"1", self._registry(s), self.clock_arg(), peer.encode(), b"%d" % slot, mode] for s in shards]
         checked_replies(await self.store.run_many(_SETTLE, calls))
+
+    def reclaim_idle_us(self) -> int:
+        """How long a slot must have written nothing in a shard before its index is taken
+        back: twice the longest key TTL (a key outlives its last write by at most a
+        quarter of its TTL), the parking span and a minute."""
+        ttl_us = max((r.ttl_ms * 1000 for r in self.rules.values() if not r.escrow), default=0)
+        return 2 * ttl_us + int((self.limits.park_seconds + 60) * 1_000_000)
+
+    async def reclaim(self, shards: Sequence[int]) -> int:
+        """Take back the registry indices of slots long idle in ``shards`` (``reclaim.lua``:
+        wipes add a slot id per shard each, and a full registry refuses new ones).
+        Returns the slot ids reclaimed."""
+        idle = b"%d" % self.reclaim_idle_us()
+        calls = [[b"1", self._registry(s), self.clock_arg(), idle, self.region.encode()] for s in shards]
+        return sum(int(reply[0]) for reply in checked_replies(await self.store.run_many(_RECLAIM, calls)))
 
     async def prune(self, peer: str, cursors: dict[int, bytes], shards: Sequence[int], count: int = 500) -> int:
         """Drop ``peer``'s outbox entries of keys that expired, one ``HSCAN`` page per shard.

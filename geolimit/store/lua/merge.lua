@@ -19,6 +19,7 @@
 -- refuses the blob in 'delta' mode; in 'repair' mode (anti-entropy after a
 -- failover or a restore lost this region's latest writes) it is skipped, never
 -- written, and counted in own_ahead.
+-- Every slot the blob writes gets registry field 't<index>' = now (see reclaim.lua).
 -- Cells older than c - N are dropped (too old to matter). Cells after c + F
 -- (further ahead than the clock-skew tolerance) and at most park_us ahead of it
 -- are parked, up to park_cap per shard (fields of hash '<tag>#pk', due times in
@@ -97,8 +98,15 @@ if nslots > 0 then
   end
 end
 if fresh > max_new then return refuse('too many new slot ids in one blob') end
+-- used: the slot indices handed out so far ('#'); indices reclaim.lua took back
+-- from expired incarnations wait in field 'F' (space-separated) to be reused.
 local used = tonumber(call('HGET', reg, '#')) or 1
-if used + fresh > max_slots then return refuse("the shard's slot registry is full") end
+local free = {}
+if fresh > 0 then
+  local list = call('HGET', reg, 'F')
+  if list then for x in string.gmatch(list, '%d+') do free[#free + 1] = x end end
+  if used - #free + fresh > max_slots then return refuse("the shard's slot registry is full") end
+end
 
 -- Check every key and cell first.
 local keys, counts, cells = t[2], t[3], t[4]
@@ -185,14 +193,29 @@ if not apply then return {1, total, 0, 0, 0, unknown, 0, own_ahead, 0, -1} end
 
 -- Apply.
 if not own_inc then ensure_registry(reg, region, nonce) end
+local nfree, marks = #free, {}
 for i = 1, nslots do
-  if not idx[i] and needed[i] then
-    local v = call('HINCRBY', reg, '#', 1) - 1
-    call('HSET', reg, slots[i], fmt(v))
-    idx[i] = v
+  if needed[i] then
+    if not idx[i] then
+      local v
+      if nfree > 0 then
+        v, nfree = tonumber(free[nfree]), nfree - 1
+      else
+        v = call('HINCRBY', reg, '#', 1) - 1
+        used = used + 1
+      end
+      call('HSET', reg, slots[i], fmt(v))
+      idx[i] = v
+    end
+    -- when this slot last wrote here: reclaim.lua frees the index once that is long past
+    marks[#marks + 1] = 't' .. fmt(idx[i])
+    marks[#marks + 1] = fmt(now)
   end
 end
-used = used + fresh
+if nfree < #free then
+  if nfree > 0 then call('HSET', reg, 'F', table.concat(free, ' ', 1, nfree)) else call('HDEL', reg, 'F') end
+end
+if #marks > 0 then call('HSET', reg, unpack(marks)) end
 
 -- Clear the ring positions of buckets h+1..newh (passed over by a moving head)
 -- of a key read with HMGET: name every candidate field, or list the hash's
