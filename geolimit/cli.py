@@ -140,13 +140,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode("utf-8", "replace")
         hint = _http_error_hint(exc.code, bool(args.token_file))
-        print(f"geolimit: agent answered HTTP {exc.code}: {detail}{hint}", file=sys.stderr)
+        print(f"geolimit: error: agent answered HTTP {exc.code}: {detail}{hint}", file=sys.stderr)
         return 2 if 400 <= exc.code < 500 else 3
     except (urllib.error.URLError, OSError) as exc:
-        print(f"geolimit: agent {args.agent} unreachable: {exc}", file=sys.stderr)
+        print(f"geolimit: error: agent {args.agent} unreachable: {exc}", file=sys.stderr)
         return 3
     except (ValueError, KeyError, TypeError) as exc:
-        print(f"geolimit: agent {args.agent} sent an unexpected answer: {exc!r}", file=sys.stderr)
+        print(f"geolimit: error: agent {args.agent} sent an unexpected answer: {exc!r}", file=sys.stderr)
         return 3
     if args.json:
         print(json.dumps(decision))

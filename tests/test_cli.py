@@ -80,5 +80,8 @@ def test_malformed_urls_are_one_line_errors() -> None:
                  ("check", "--agent", "http://[::1", "api", "u"), ("check", "--agent", "ftp://x", "api", "u")):
         out = _run(*args)
         assert (out.returncode, out.stderr.strip()) == (2, f"{expected}{args[2]!r}"), args
+    out = _run("check", "--agent", "http://127.0.0.1:9", "api", "u")  # nothing listens on the discard port
+    assert out.returncode == 3
+    assert out.stderr.startswith("geolimit: error: agent http://127.0.0.1:9 unreachable: ")
     out = _run("try", "--redis", "redis://[::1", "3/10s", "u")
     assert (out.returncode, out.stderr.strip()) == (1, "geolimit: error: invalid Redis URL 'redis://[::1': Invalid IPv6 URL")

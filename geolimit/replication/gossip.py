@@ -224,8 +224,12 @@ class GossipEngine(Receiver):
             exc = task.exception()
             self.task_failures += 1
             self.last_task_error = f"{type(exc).__name__}: {exc}"[:300]
-            log.error("region %s: gossip task failed (%d so far); it is retried", self.region,
-                      self.task_failures, exc_info=exc)
+            if isinstance(exc, StorageError):  # Redis down: expected, and reported by the rounds too
+                log.warning("region %s: gossip task failed (%d so far); it is retried: %s", self.region,
+                            self.task_failures, self.last_task_error)
+            else:
+                log.error("region %s: gossip task failed (%d so far); it is retried", self.region,
+                          self.task_failures, exc_info=exc)
 
     def peer_ages(self, now: float) -> dict[str, int]:
         """How old each peer's counts are here (µs), for prediction and partition policies.

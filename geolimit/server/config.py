@@ -21,6 +21,7 @@ complete examples; the minimal file is::
 
 from __future__ import annotations
 
+import math
 import os
 import ssl
 from collections.abc import Mapping
@@ -163,12 +164,21 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
     return with_workers(config, region["workers"], f"{src}: region.workers") if "workers" in region else config
 
 
+#: Bounds of the [gossip] durations that have one: a round every microsecond busy-loops the
+#: agent, and an auth window of years turns the clock check (and replay bounds) off.
+_GOSSIP_SECONDS = {"interval": (0.001, 3600.0), "auth_window": (1.0, 3600.0)}
+
+
 def _gossip_options(gossip: Mapping[str, Any], src: str, base: Path) -> dict[str, Any]:
     """The optional keys of ``[gossip]`` (all but ``peers``) as :class:`AgentConfig` fields."""
     opts: dict[str, Any] = {}
     for key in ("interval", "anti_entropy_interval", "max_backoff", "timeout", "auth_window"):
         if key in gossip:
             opts[key] = parse_seconds(gossip[key], src, f"gossip.{key}")
+            low, high = _GOSSIP_SECONDS.get(key, (0.0, math.inf))
+            if not low <= opts[key] <= high:
+                raise ConfigError(f"{src}: gossip.{key} must be between {low:g} s and {high:g} s, "
+                                  f"got {opts[key]:g} s")
     for key in ("max_message_bytes", "outbox_limit"):
         if key in gossip:
             opts[key] = parse_positive_int(gossip[key], src, f"gossip.{key}")

@@ -61,7 +61,7 @@ async def test_agent_serves_check_and_stops_gracefully_on_sigterm(
 
     unknown = await cli("check", "--agent", url, "nope", "user:42")
     assert unknown.code == 2
-    assert "404" in unknown.stderr
+    assert unknown.stderr.startswith("geolimit: error: agent answered HTTP 404")
     assert "unknown rule 'nope'" in unknown.stderr
     bad = await cli("check", "--agent", url, "--cost", "-1", "api", "user:42")
     assert (bad.code, "400" in bad.stderr) == (2, True)
