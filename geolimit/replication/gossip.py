@@ -337,6 +337,7 @@ class GossipEngine(Receiver):
                 peer.last_attempt = sent_at = self.clock()
                 try:
                     reply = await self.transport.send(peer.name, self.message("delta", peer.name, packed.blobs))
+                    self.note_clock_sample(peer, reply.now_us, sent_at, self.clock())
                 except PeerRefused as exc:
                     # Sending it again would be refused again: drop the batch rather than
                     # block the outbox behind it; anti-entropy repairs what it carried.

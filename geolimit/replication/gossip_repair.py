@@ -80,9 +80,11 @@ class AntiEntropyDriver:
         engine = self.engine
         msg = engine.message("ae", peer)
         msg.ae = payload
+        sent = engine.clock()
         reply = await engine.transport.send(peer, msg)
         state = engine.peers[peer]
         state.last_heard = engine.clock()
+        engine.note_clock_sample(state, reply.now_us, sent, state.last_heard)
         engine.note_reach(state, reply, state.last_heard)
         return reply.ae
 

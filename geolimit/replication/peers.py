@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,10 @@ class EngineSettings:
     ae_settle: float = 10.0
     ae_duty: float = 1.0  # share of Redis time anti-entropy scans may take (each script call is ~1 ms anyway)
     anti_entropy: bool = True  # initiate exchanges (one worker per region does; every worker serves them)
+
+
+#: Exchanges whose clock samples are kept per peer (about 2 s of heartbeats when idle).
+CLOCK_SAMPLES = 8
 
 
 def heartbeat_for(interval: float, rules: Iterable[Rule]) -> float:
@@ -78,6 +83,9 @@ class PeerState:
     cells_sent: int = 0
     cells_received: int = 0
     rtt: float = 0.0  # smoothed round trip of our messages to this peer (seconds)
+    #: (round trip, offset) of our last exchanges with this peer, for its clock offset (see
+    #: Receiver.note_clock_sample): the least-delayed one is the best estimate.
+    clock_samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=CLOCK_SAMPLES))
     skew: float = 0.0  # smoothed estimate of the peer's clock minus ours (seconds)
     skew_known: bool = False  # skew holds at least one sample (the agreed clock counts it)
     clock_refusals: int = 0  # its signed messages refused for a time outside the auth window

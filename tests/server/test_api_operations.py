@@ -95,6 +95,11 @@ async def test_metrics_cover_decisions_gossip_and_rejections(start_agent: StartA
             return families(await resp.text())
 
     await eventually(lambda: _outbox_of_b(agent) > 0, what="the hits queued for b")
+
+    async def round_timed() -> bool:  # the round that queued them is timed when it ends, a few calls later
+        return _sample(await scraped(), "geolimit_gossip_round_seconds_count") >= 1
+
+    await eventually(round_timed, what="a whole gossip round on /metrics")
     found = await scraped()
     decisions = {(s.labels["rule"], s.labels["result"]): s.value for s in found["geolimit_decisions"]
                  if s.name.endswith("_total")}
