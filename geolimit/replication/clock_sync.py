@@ -6,9 +6,10 @@ behind into buckets that leave their windows early: ±1 s of skew at 1 s
 buckets let the regions together over-admit by about 19% in the worst window.
 NTP keeps hosts closer than that, but not every fleet runs it well.
 
-Each agent already estimates every peer's clock offset from the timestamps of
-the messages it exchanges (``PeerState.skew``, the peer's clock minus ours,
-round trip halved). The mean offset over all regions, this one counting 0, is
+Each agent estimates every peer's clock offset from its exchanges with it
+(``PeerState.skew``, the peer's clock minus ours: the answer's time minus the
+exchange's midpoint, from the least-delayed of the last exchanges; see
+``Receiver.note_clock_sample``). The mean offset over all regions, this one counting 0, is
 the correction that moves this region's clock onto the mean of all clocks:
 region ``i`` estimates ``c_j - c_i`` for every ``j``, so ``c_i + mean_j(c_j - c_i)
 = mean_j(c_j)``, the same time in every region. The agent stores the
