@@ -89,3 +89,21 @@ async def test_a_slot_that_keeps_writing_is_never_reclaimed(
     clock.advance(idle + 1)
     assert await store.reclaim([shard]) == 2  # p/live (idle now) and p/legacy; never r's own
     assert redis_client.hget(registry_key, "F") in (b"1 3", b"3 1")
+
+
+async def test_a_repair_may_bring_more_new_slot_ids_than_a_delta(
+    region: tuple[AsyncLimiter, ReplicationStore, ManualClock], redis_client: redis.Redis,
+) -> None:
+    """A region wiped 20 times within a window has 20 incarnations with live cells; the
+    anti-entropy that repairs it brings them in one blob. A delta may add at most 16 new
+    slot ids per blob, a repair is bounded only by the registry's cap."""
+    limiter, store, clock = region
+    store.limits = Limits(max_slots=64)
+    bucket = clock.now_us() // API.resolution_us
+    cells = [("api", b"s", bucket, f"p/{k}", SUBSTEPS, 0) for k in range(20)]
+    before = redis_client.dump(limiter.layout.data_key("api", b"s"))
+    with pytest.raises(ProtocolError, match="too many new slot ids"):
+        await store.merge_blobs(blobs_from_cells(store.layout, cells), "p")
+    assert redis_client.dump(limiter.layout.data_key("api", b"s")) == before
+    await store.merge_blobs(blobs_from_cells(store.layout, cells), "p", repair=True)
+    assert (await limiter.usage("api", b"s")).total == 20

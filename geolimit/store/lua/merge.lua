@@ -97,7 +97,10 @@ if nslots > 0 then
     if got[i] then idx[i] = tonumber(got[i]) else fresh = fresh + 1 end
   end
 end
-if fresh > max_new then return refuse('too many new slot ids in one blob') end
+-- Repairs (anti-entropy answers to our own requests) may bring many: a region wiped
+-- more than max_new times within a window has that many incarnations with live cells,
+-- and its repair needs them all; the registry cap below still bounds them.
+if fresh > max_new and not repair then return refuse('too many new slot ids in one blob') end
 -- used: the slot indices handed out so far ('#'); indices reclaim.lua took back
 -- from expired incarnations wait in field 'F' (space-separated) to be reused.
 local used = tonumber(call('HGET', reg, '#')) or 1
