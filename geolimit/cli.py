@@ -94,16 +94,10 @@ def _read_token(path: str) -> str:
 
 def _agent_url(agent: str, path: str) -> str:
     """``agent`` (an --agent value) joined with ``path``; ConfigError unless it is an http(s) URL."""
-    from urllib.parse import urlsplit
-
     from geolimit.errors import ConfigError
+    from geolimit.toml_config import http_url_parts
 
-    try:
-        parts = urlsplit(agent)
-        parts.port  # noqa: B018 - raises ValueError for a port that is not a number from 0 to 65535
-    except ValueError:
-        parts = urlsplit("")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if http_url_parts(agent) is None:
         raise ConfigError(f"--agent must be an http:// or https:// URL such as 'http://127.0.0.1:7400', got {agent!r}")
     return agent.rstrip("/") + path
 

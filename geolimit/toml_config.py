@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import SplitResult, urlsplit
 
 from geolimit.core.keys import MAX_SHARDS
 from geolimit.core.rule import Rule, parse_duration, parse_rates
@@ -149,6 +150,21 @@ def parse_region(table: Mapping[str, Any], key: str, src: str, where: str) -> st
     except ConfigError as exc:
         raise ConfigError(f"{src}: {where}: {exc}") from None
     return name
+
+
+def http_url_parts(url: str) -> SplitResult | None:
+    """``url`` split, if it is an ``http://`` or ``https://`` URL with a host and a valid
+    port (an unclosed IPv6 bracket or a port outside 0-65535 makes ``urlsplit`` or
+    ``.port`` raise ``ValueError``); None otherwise. Callers add their own rules (no
+    path, no query) and name the key in their error."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number from 0 to 65535
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    return parts
 
 
 def parse_redis_url(table: Mapping[str, Any], key: str, src: str, where: str) -> str:

@@ -47,7 +47,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, cast
-from urllib.parse import urlsplit
 
 from geolimit.core.rule import Rule
 from geolimit.errors import ConfigError
@@ -58,6 +57,7 @@ from geolimit.toml_config import (
     check_keys,
     check_workers,
     get_table,
+    http_url_parts,
     load_toml,
     parse_listen,
     parse_log,
@@ -218,13 +218,9 @@ def _mode(proxy: Mapping[str, Any], src: str, base: Path, opts: dict[str, Any]) 
 
 
 def _http_url(url: str, src: str, where: str) -> str:
-    try:
-        parts = urlsplit(url)  # ValueError for an unclosed IPv6 bracket
-        parts.port  # noqa: B018 - raises ValueError for a bad port
-    except ValueError:
-        parts = urlsplit("")
-    if (parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment
-            or parts.path not in ("", "/") or parts.username or parts.password):
+    parts = http_url_parts(url)
+    if (parts is None or parts.query or parts.fragment or parts.path not in ("", "/")
+            or parts.username or parts.password):
         raise ConfigError(f"{src}: {where} must be an http:// or https:// URL without a path, "
                           f"such as 'http://127.0.0.1:9000', got {url!r}")
     return url.rstrip("/")

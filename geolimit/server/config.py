@@ -28,7 +28,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from geolimit.core.rule import Rule
 from geolimit.errors import ConfigError
@@ -39,6 +38,7 @@ from geolimit.toml_config import (
     check_keys,
     check_workers,
     get_table,
+    http_url_parts,
     load_toml,
     parse_listen,
     parse_log,
@@ -274,12 +274,8 @@ def parse_peers(gossip: Mapping[str, Any], src: str, own: str) -> tuple[PeerConf
             raise ConfigError(f"{src}: {where}.name: a region cannot be its own peer ({name!r})")
         if any(p.name == name for p in peers):
             raise ConfigError(f"{src}: {where}.name: duplicate peer {name!r}")
-        try:
-            parts = urlsplit(url)  # ValueError for an unclosed IPv6 bracket
-            parts.port  # noqa: B018 - raises ValueError for a port that is not a number from 0 to 65535
-        except ValueError:
-            parts = urlsplit("")
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        parts = http_url_parts(url)
+        if parts is None or parts.query or parts.fragment:
             raise ConfigError(
                 f"{src}: {where}.url must be an http:// or https:// URL such as 'https://10.0.0.2:7400', got {url!r}"
             )
