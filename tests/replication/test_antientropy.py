@@ -253,7 +253,17 @@ async def test_prediction_fields_are_not_compared(regions: tuple[Region, Region]
     assert not b.merged
 
 
-async def test_missing_and_lower_cells_are_repaired_both_ways(regions: tuple[Region, Region]) -> None:
+def first_passes(sides: dict[str, AntiEntropy], first: str) -> dict[str, AntiEntropy]:
+    """How each side's first digest pass goes: "leaves" (a small keyspace: shards and
+    leaves at once), "shards" (a big one: shard sums first, then the leaves of the
+    shards that differ), "mixed" (a: shards first, b: leaves at once)."""
+    for name, side in sides.items():
+        side._local.shards_first_keys = 0 if first == "shards" or (first == "mixed" and name == "a") else None
+    return sides
+
+
+@pytest.mark.parametrize("first", ["leaves", "shards", "mixed"])
+async def test_missing_and_lower_cells_are_repaired_both_ways(regions: tuple[Region, Region], first: str) -> None:
     a, b = regions
     keys = subjects(400)
     c = bucket(API)
@@ -273,18 +283,41 @@ async def test_missing_and_lower_cells_are_repaired_both_ways(regions: tuple[Reg
             cells = [(cb, slot, v, f + SUBSTEPS if cb == c - 2 else f) for cb, slot, v, f in cells]  # b: higher floor
         b.put(API, s, cells)
     b.put(API, b"only-in-b", [(c, "b/i0", 2 * SUBSTEPS, 0)])
-    sides = pair(a, b)
-    first = await sides["a"].run("b")
-    assert first.leaves_differing > 0
-    assert not first.truncated
-    assert first.keys_differing == 5 * 50 + 1
+    sides = first_passes(pair(a, b), first)
+    one = await sides["a"].run("b")
+    assert one.leaves_differing > 0
+    assert not one.truncated
+    assert one.keys_differing == 5 * 50 + 1
     # differing keys travel both ways (a max-merge keeps what each side has more of)
-    assert first.keys_received == 4 * 50 + 1
-    assert first.keys_sent == 5 * 50
+    assert one.keys_received == 4 * 50 + 1
+    assert one.keys_sent == 5 * 50
     assert_equal(a, b, API, [*keys, b"only-in-b"])
     second = await sides["a"].run("b")
     assert second.in_sync
     # the responder can start it too
+    assert (await sides["b"].run("a")).in_sync
+
+
+@pytest.mark.parametrize("first", ["shards", "mixed"])
+async def test_differences_in_a_few_shards_are_found_after_a_shards_only_pass(
+    regions: tuple[Region, Region], first: str
+) -> None:
+    """A big keyspace's first pass sums shards only; the leaves of the shards that
+    differ are digested in a second pass, on both sides, and only those."""
+    a, b = regions
+    keys = subjects(300)
+    for i, s in enumerate(keys):
+        a.put(API, s, typical(i))
+        b.put(API, s, typical(i))
+    lost = [s for s in keys if a.layout.shard_of(s) in (1, 5)][:12]
+    assert lost
+    for s in lost:  # b lost these keys' latest cells
+        b.put(API, s, [cell for cell in typical(keys.index(s)) if cell[0] != bucket(API)])
+    sides = first_passes(pair(a, b), first)
+    result = await sides["a"].run("b")
+    assert result.keys_differing == len(lost)
+    assert result.ranges_differing >= 2
+    assert_equal(a, b, API, keys)
     assert (await sides["b"].run("a")).in_sync
 
 
@@ -461,6 +494,35 @@ async def test_hostile_payloads_are_refused_and_write_nothing(regions: tuple[Reg
     assert b.snapshot() == before
     assert server.stats["refused"] == len(bad_requests) + 1
     await server.close()
+
+
+async def test_a_bad_scope_of_leaves_is_refused(regions: tuple[Region, Region]) -> None:
+    """After a shards-only first pass, the leaves digested are those of the shards in
+    the initiator's ``scope``: a malformed scope, or nodes outside it, are refused."""
+    a, b = regions
+    for i, s in enumerate(subjects(40)):
+        b.put(API, s, typical(i))
+    server = first_passes(pair(a, b), "shards")["b"]
+    begin = {"op": "begin", "x": b"s" * 16, "now": NOW_US, "shards": 16, "leaves": 8,
+             "rules": [["api", API.window_us, API.resolution_us]]}
+    await server.handle("a", begin)
+
+    async def tree(level: int, nodes: list[int], **extra: Any) -> dict[str, Any]:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            reply = await server.handle("a", {"op": "tree", "x": b"s" * 16, "level": level, "nodes": nodes, **extra})
+            if reply["ready"]:
+                return reply
+            await asyncio.sleep(0.01)
+        raise AssertionError("the pass did not finish in 30 s")
+
+    await tree(0, list(range(16)))
+    with pytest.raises(ProtocolError, match="scope"):
+        await server.handle("a", {"op": "tree", "x": b"s" * 16, "level": 1, "nodes": [0], "scope": b"\x01"})
+    scope = bytes([0b10, 0])  # shard 1 only
+    assert len((await tree(1, [8, 9], scope=scope))["d"]) == 16
+    with pytest.raises(ProtocolError, match="outside the shards"):
+        await server.handle("a", {"op": "tree", "x": b"s" * 16, "level": 1, "nodes": [24], "scope": scope})
 
 
 async def test_hostile_replies_fail_the_run_and_write_nothing(regions: tuple[Region, Region]) -> None:

@@ -68,6 +68,10 @@ PENDING_NUMBERS = 1 << 17
 REDUCE_NUMBERS = 1 << 16
 #: Data keys per ``ae_read.lua`` call.
 READ_CALL_KEYS = 64
+#: A keyspace of at least this many keys gets a first digest pass of shard sums
+#: only (leaves in a second pass, of the differing shards): below it the leaves
+#: fit the queue and cost little.
+SHARDS_FIRST_KEYS = PENDING_NUMBERS // 2
 
 
 @cache
@@ -206,6 +210,11 @@ class _Digests:
     the leaves only when a descent needs them (:meth:`reduce`) or when the
     queue passes :data:`PENDING_NUMBERS`. Arrays, not lists: a few MiB, and
     nothing for the garbage collector to walk through.
+
+    A big keyspace's first pass adds only the shard sums (``leaves`` False): equal
+    regions compare nothing else, and a per-key leaf costs the agent more than
+    the rest of the pass. A descent then digests the leaves of the differing
+    shards (``scope``, a shard bitmap; None for every shard) in a second pass.
     """
 
     def __init__(self, shards: int, leaves_per_shard: int) -> None:
@@ -218,6 +227,12 @@ class _Digests:
         self._reducing = 0  # reduce() calls running (the leaves are incomplete meanwhile)
         self.keys = 0
         self.seconds = 0.0
+        self.leaves = False  # the leaves of the shards in scope are digested (once reduced)
+        self.scope: bytes | None = None  # the shards whose leaves are (None: all)
+
+    def covers(self, shard: int) -> bool:
+        """Are ``shard``'s leaves digested (once reduced)?"""
+        return self.leaves and in_scope(self.scope, shard)
 
     def add_shards(self, flat: Sequence[int]) -> None:
         """``shard, digest sum, keys, ...`` of one page."""
@@ -253,12 +268,27 @@ class _Digests:
             self._reducing -= 1
 
 
+def in_scope(scope: bytes | None, shard: int) -> bool:
+    """Is ``shard`` in a shard bitmap (bit ``s`` of byte ``s // 8``; None: every shard)?"""
+    return scope is None or (shard >> 3 < len(scope) and bool(scope[shard >> 3] >> (shard & 7) & 1))
+
+
+def shard_bitmap(shards: int, chosen: Iterable[int]) -> bytes:
+    """The bitmap of ``chosen`` shards (of ``shards``), as :func:`in_scope` reads it."""
+    out = bytearray((shards + 7) // 8)
+    for s in chosen:
+        out[s >> 3] |= 1 << (s & 7)
+    return bytes(out)
+
+
 def _node_sums(d: _Digests, leaves: int, per_shard: int, nodes: Sequence[int]) -> tuple[list[int], list[int]]:
     """Digest sums and key counts of tree nodes (leaf levels need ``d.reduce()`` first)."""
     if per_shard == 1:
         return [d.shard_digests[g] for g in nodes], [d.shard_counts[g] for g in nodes]
     if not d.reduced:
         raise RuntimeError("leaf digests not reduced yet")
+    if not all(d.covers(g // per_shard) for g in nodes):
+        raise RuntimeError("leaf digests of these shards not computed")
     span = leaves // per_shard
     if span == 1:
         return [d.digests[g] for g in nodes], [d.counts[g] for g in nodes]

@@ -26,12 +26,14 @@ class _Exchange:
     reply: dict[str, Any]
     progress: _Progress = field(default_factory=_Progress)
     digest_task: asyncio.Task[_Digests] | None = None
+    leaf_task: asyncio.Task[None] | None = None  # the leaves of the shards in leaf_scope (after a shards-only pass)
+    leaf_scope: bytes | None = None
     reduce_task: asyncio.Task[None] | None = None
     list_task: asyncio.Task[None] | None = None
     list_key: bytes = b""
     listing: _Listing | None = None
 
     def cancel(self) -> None:
-        for task in (self.digest_task, self.reduce_task, self.list_task):
+        for task in (self.digest_task, self.leaf_task, self.reduce_task, self.list_task):
             if task is not None and not task.done():
                 task.cancel()

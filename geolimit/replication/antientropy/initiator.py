@@ -34,6 +34,7 @@ from geolimit.replication.antientropy.common import (
     MAX_REPLY_BYTES,
     MAX_RULES,
     MAX_SETTLE_US,
+    SHARDS_FIRST_KEYS,
     TOTAL_LEAVES,
     XID_BYTES,
     AntiEntropyResult,
@@ -43,6 +44,7 @@ from geolimit.replication.antientropy.common import (
     _node_sums,
     _Plan,
     leaves_per_shard,
+    shard_bitmap,
     tree_levels,
 )
 from geolimit.replication.antientropy.exchange import _Exchange
@@ -68,7 +70,9 @@ class AntiEntropy(_Responder):
     Redis: each queues a script ahead of the apps' calls); ``max_scans`` the
     passes run at once (served and initiated); ``exchange_ttl`` how long the
     state of an exchange served lives without a request; ``max_seconds`` how
-    long :meth:`run` may take in all.
+    long :meth:`run` may take in all; ``shards_first_keys`` the keyspace size
+    from which a first digest pass sums shards only (None: never), leaving the
+    leaves of differing shards to a second pass.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class AntiEntropy(_Responder):
         streams: int = 1,
         duty: float = 1.0,
         page_ms: float = 1.0,
+        shards_first_keys: int | None = SHARDS_FIRST_KEYS,
     ) -> None:
         if not 1 <= page_keys <= 4096:
             raise ValueError("page_keys must be from 1 to 4096")
@@ -114,7 +119,7 @@ class AntiEntropy(_Responder):
             raise ValueError("duty must be from 0.05 to 1")
         if not 0.1 <= page_ms <= 100:
             raise ValueError("page_ms must be from 0.1 to 100")
-        self._local = _Local(store, layout, page_keys, streams, duty, int(page_ms * 1000))
+        self._local = _Local(store, layout, page_keys, streams, duty, int(page_ms * 1000), shards_first_keys)
         self._scans = asyncio.Semaphore(max_scans)
         self._exchanges: dict[bytes, _Exchange] = {}
         self.stats: dict[str, float] = dict.fromkeys(
@@ -131,7 +136,7 @@ class AntiEntropy(_Responder):
         tasks = []
         for ex in self._exchanges.values():
             ex.cancel()
-            tasks += [t for t in (ex.digest_task, ex.list_task) if t is not None]
+            tasks += [t for t in (ex.digest_task, ex.leaf_task, ex.list_task) if t is not None]
         self._exchanges.clear()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -169,7 +174,7 @@ class AntiEntropy(_Responder):
         result.rules = sorted(plan.rules)
         try:
             async with self._scans:
-                mine = await self._local.digests(plan, _Progress())
+                mine = await self._local.first_digests(plan, _Progress())
             result.scan_seconds, result.keys_scanned = mine.seconds, mine.keys
             differing = await self._descend(peer, xid, plan, mine, result, deadline)
             if differing:
@@ -197,35 +202,63 @@ class AntiEntropy(_Responder):
     async def _descend(
         self, peer: str, xid: bytes, plan: _Plan, mine: _Digests, result: AntiEntropyResult, deadline: float
     ) -> list[tuple[int, int, int]]:
-        """The leaves whose digests differ, as ``(leaf, our keys, their keys)``."""
+        """The leaves whose digests differ, as ``(leaf, our keys, their keys)``.
+
+        After a shards-only first pass, the leaves of the differing shards are
+        digested here (``scope``, a bitmap the peer gets with the deeper levels,
+        so it digests the same shards), while the peer digests its own.
+        """
         levels = tree_levels(plan.leaves)
         nodes = list(range(plan.shards))
-        for level, per_shard in enumerate(levels):
-            differing: list[tuple[int, int, int]] = []
-            for start in range(0, len(nodes), MAX_NODES):
-                chunk = nodes[start : start + MAX_NODES]
-                theirs_d, theirs_c = await self._tree(peer, xid, level, chunk, result, deadline)
-                mine_d, mine_c = _node_sums(mine, plan.leaves, per_shard, chunk)
-                for g, a, b, ca, cb in zip(chunk, mine_d, theirs_d, mine_c, theirs_c, strict=True):
-                    if a != b:
-                        differing.append((g, ca, cb))
-            result.ranges_compared += len(nodes)
-            result.ranges_differing += len(differing)
-            if differing and level == 0:
-                await mine.reduce()
-            if not differing or level == len(levels) - 1:
-                result.leaves_differing = len(differing) if level == len(levels) - 1 else 0
-                return differing
-            fan = levels[level + 1] // per_shard
-            nodes = [g * fan + i for g, _, _ in differing for i in range(fan)]
+        own: asyncio.Future[None] | None = None
+        scope: bytes | None = None
+        try:
+            for level, per_shard in enumerate(levels):
+                differing: list[tuple[int, int, int]] = []
+                for start in range(0, len(nodes), MAX_NODES):
+                    chunk = nodes[start : start + MAX_NODES]
+                    theirs_d, theirs_c = await self._tree(peer, xid, level, chunk, result, deadline, scope)
+                    if own is not None:
+                        await own
+                        own = None
+                        await mine.reduce()
+                    mine_d, mine_c = _node_sums(mine, plan.leaves, per_shard, chunk)
+                    for g, a, b, ca, cb in zip(chunk, mine_d, theirs_d, mine_c, theirs_c, strict=True):
+                        if a != b:
+                            differing.append((g, ca, cb))
+                result.ranges_compared += len(nodes)
+                result.ranges_differing += len(differing)
+                if not differing or level == len(levels) - 1:
+                    result.leaves_differing = len(differing) if level == len(levels) - 1 else 0
+                    return differing
+                if level == 0:
+                    if all(mine.covers(g) for g, _, _ in differing):
+                        await mine.reduce()
+                    else:
+                        scope = shard_bitmap(plan.shards, (g for g, _, _ in differing))
+                        own = asyncio.ensure_future(self._leaves(plan, mine, scope))
+                fan = levels[level + 1] // per_shard
+                nodes = [g * fan + i for g, _, _ in differing for i in range(fan)]
+        finally:
+            if own is not None:
+                own.cancel()
+                await asyncio.gather(own, return_exceptions=True)
         return []  # pragma: no cover - the loop returns at the last level
 
+    async def _leaves(self, plan: _Plan, mine: _Digests, scope: bytes) -> None:
+        async with self._scans:
+            await self._local.leaf_digests(plan, mine, scope, _Progress())
+
     async def _tree(
-        self, peer: str, xid: bytes, level: int, nodes: list[int], result: AntiEntropyResult, deadline: float
+        self, peer: str, xid: bytes, level: int, nodes: list[int], result: AntiEntropyResult, deadline: float,
+        scope: bytes | None = None,
     ) -> tuple[list[int], list[int]]:
         delay = self.poll_interval
+        request: dict[str, Any] = {"op": "tree", "x": xid, "level": level, "nodes": nodes}
+        if scope is not None and level > 0:
+            request["scope"] = scope
         while True:
-            reply = await self._ask(peer, {"op": "tree", "x": xid, "level": level, "nodes": nodes}, result)
+            reply = await self._ask(peer, request, result)
             if _bool(reply, "ready"):
                 break
             delay = await self._poll(delay, deadline, peer)

@@ -26,6 +26,7 @@ from geolimit.replication.antientropy.common import (
     PENDING_NUMBERS,
     READ_CALL_KEYS,
     READ_FIELDS,
+    SHARDS_FIRST_KEYS,
     STREAM_MIN_KEYS,
     Blob,
     _Digests,
@@ -87,7 +88,7 @@ class _Local:
 
     def __init__(
         self, store: AsyncStore, layout: KeyLayout, page_keys: int, streams: int = 1, duty: float = 1.0,
-        page_us: int = 1000,
+        page_us: int = 1000, shards_first_keys: int | None = SHARDS_FIRST_KEYS,
     ) -> None:
         self.store = store
         self.layout = layout
@@ -95,6 +96,7 @@ class _Local:
         self.page_us = page_us
         self.streams = streams
         self.duty = duty
+        self.shards_first_keys: int | None = shards_first_keys
         self.pattern = layout.data_pattern()
         self.plen = b"%d" % len(layout.prefix.encode())
 
@@ -164,19 +166,20 @@ class _Local:
     async def scan(
         self,
         plan: _Plan,
+        mode: bytes,
         bitmap: bytes | None,
         on_entry: Callable[[list[Any]], None],
         on_big: Callable[[int, bytes, int, int, int], None],
         progress: _Progress,
         after: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """One pass over every node: digests (``bitmap`` None) or the listing of some leaves.
+        """One pass over every node: ``mode`` b"s" (shard digests), b"d" (digests; ``bitmap``:
+        of the shards, None for all) or b"l" (the listing of the leaves in ``bitmap``).
 
         Nodes are scanned concurrently, and a large keyspace in ``streams``
         parts, each with one call in flight: Redis works on one part while we
         read the reply of another.
         """
-        mode = b"d" if bitmap is None else b"l"
         jobs: list[Awaitable[None]] = []
         for rep, shards in await self._groups():
             codes = await self._codes(shards)
@@ -273,22 +276,40 @@ class _Local:
             s1, s2, cells = s1 + int(reply[0]), s2 + int(reply[1]), cells + int(reply[2])
         return key_digest(key[len(self.layout.tag(shard)) + 1 :], s1 % P1, s2 % P2), cells
 
-    async def digests(self, plan: _Plan, progress: _Progress) -> _Digests:
+    async def first_digests(self, plan: _Plan, progress: _Progress) -> _Digests:
+        """The first digest pass of an exchange: with the leaves below ``shards_first_keys`` keys."""
+        big = self.shards_first_keys is not None and await self._dbsize() >= self.shards_first_keys
+        return await self.digests(plan, progress, leaves=not big)
+
+    async def leaf_digests(self, plan: _Plan, into: _Digests, scope: bytes | None, progress: _Progress) -> None:
+        """Add the leaves of the shards in ``scope`` (None: all) to a shards-only first pass."""
+        await self.digests(plan, progress, into=into, scope=scope)
+
+    async def digests(
+        self, plan: _Plan, progress: _Progress, *, leaves: bool = True, into: _Digests | None = None,
+        scope: bytes | None = None,
+    ) -> _Digests:
+        """A digest pass: shard sums and (``leaves``) leaves; ``into`` a first pass: its leaves only."""
         started = time.monotonic()
-        out = _Digests(plan.shards, plan.leaves)
+        shards = into is None
+        out = _Digests(plan.shards, plan.leaves) if into is None else into
         overflow: list[bool] = []
 
         def on_entry(reply: list[Any]) -> None:
-            out.add_shards(reply[5])
-            out.pending.extend(reply[2])
-            if len(out.pending) > PENDING_NUMBERS and not overflow:
-                overflow.append(True)
+            if shards:
+                out.add_shards(reply[5])
+            if leaves:
+                out.pending.extend(reply[2])
+                if len(out.pending) > PENDING_NUMBERS and not overflow:
+                    overflow.append(True)
 
         def on_big(g: int, key: bytes, shard: int, digest: int, cells: int) -> None:
-            out.shard_digests[shard] = (out.shard_digests[shard] + digest) & MASK
-            out.shard_counts[shard] += 1
-            out.keys += 1
-            out.add_leaf(g, digest)
+            if shards:
+                out.shard_digests[shard] = (out.shard_digests[shard] + digest) & MASK
+                out.shard_counts[shard] += 1
+                out.keys += 1
+            if leaves:
+                out.add_leaf(g, digest)
 
         async def drain() -> None:
             if overflow:
@@ -296,10 +317,11 @@ class _Local:
                 await out.reduce()
 
         try:
-            await self.scan(plan, None, on_entry, on_big, progress, drain)
+            await self.scan(plan, b"d" if leaves else b"s", scope, on_entry, on_big, progress, drain)
         except (IndexError, TypeError, ValueError, KeyError, OverflowError) as exc:
             raise StorageError(f"unexpected reply from ae_scan: {exc!r}") from exc
-        out.seconds = time.monotonic() - started
+        out.leaves, out.scope = leaves, scope
+        out.seconds += time.monotonic() - started
         return out
 
     async def listing(self, plan: _Plan, bitmap: bytes, listing: _Listing, progress: _Progress) -> None:
@@ -312,7 +334,7 @@ class _Local:
             listing.add(shard, key[len(self.layout.tag(shard)) + 1 :], digest)
 
         try:
-            await self.scan(plan, bitmap, on_entry, on_big, progress)
+            await self.scan(plan, b"l", bitmap, on_entry, on_big, progress)
         except (IndexError, TypeError, ValueError, KeyError) as exc:
             raise StorageError(f"unexpected reply from ae_scan: {exc!r}") from exc
 

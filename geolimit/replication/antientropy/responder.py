@@ -121,7 +121,7 @@ class _Responder:
         """Drop exchanges idle for ``exchange_ttl`` (a pass under way is not idle)."""
         limit = time.monotonic() - self.exchange_ttl
         for xid, ex in list(self._exchanges.items()):
-            running = any(t is not None and not t.done() for t in (ex.digest_task, ex.list_task))
+            running = any(t is not None and not t.done() for t in (ex.digest_task, ex.leaf_task, ex.list_task))
             if ex.touched < limit and not running:
                 ex.cancel()
                 del self._exchanges[xid]
@@ -170,9 +170,16 @@ class _Responder:
     async def _serve_digests(self, ex: _Exchange) -> _Digests:
         try:
             async with self._scans:
-                return await self._local.digests(ex.plan, ex.progress)
+                return await self._local.first_digests(ex.plan, ex.progress)
         finally:
             ex.touched = time.monotonic()  # the idle time starts when the pass ends
+
+    async def _serve_leaves(self, ex: _Exchange, mine: _Digests, scope: bytes | None) -> None:
+        try:
+            async with self._scans:
+                await self._local.leaf_digests(ex.plan, mine, scope, ex.progress)
+        finally:
+            ex.touched = time.monotonic()
 
     @staticmethod
     def _finished(task: asyncio.Task[Any] | None) -> bool:
@@ -196,6 +203,18 @@ class _Responder:
             return {"ready": False, "scanned": ex.progress.visited}
         assert ex.digest_task is not None
         mine = ex.digest_task.result()
+        if level > 0 and not all(mine.covers(g // levels[level]) for g in nodes):
+            # A shards-only first pass: digest the leaves of the shards the initiator
+            # names (those that differed), or of every shard if it names none.
+            if ex.leaf_task is None:
+                size = (ex.plan.shards + 7) // 8
+                ex.leaf_scope = _bytes(payload, "scope", size, exact=size) if "scope" in payload else None
+                ex.leaf_task = asyncio.ensure_future(self._serve_leaves(ex, mine, ex.leaf_scope))
+                ex.leaf_task.add_done_callback(_consume)
+            if not self._finished(ex.leaf_task):
+                return {"ready": False, "scanned": ex.progress.visited}
+            if not all(mine.covers(g // levels[level]) for g in nodes):
+                raise ProtocolError("anti-entropy: tree nodes outside the shards being compared")
         if level > 0 and not mine.reduced:
             if ex.reduce_task is None:
                 ex.reduce_task = asyncio.ensure_future(mine.reduce())

@@ -237,39 +237,63 @@ end
 
 -- S (mod P1, mod P2) and the number of live non-zero values and floors of a
 -- key's HGETALL, in one pass (a value and its floor are separate terms of S).
--- The hot loop of a digest pass: the caches are inlined.
-local function key_sums(flat, rule, codes)
+-- The hot loop of a digest pass. What a field name stands for (its weights, or
+-- false: not a live cell of a known slot) depends only on the name, the key's
+-- head, the rule and the registry, so it is worked out once per call for each
+-- (rule, registry, head, name): keys mostly share a few heads.
+local terms_by = {}  -- rule -> codes -> head -> name -> {w1, w2} | false
+local function terms_of(rule, codes, h)
+  local by_codes = terms_by[rule]
+  if not by_codes then
+    by_codes = {}
+    terms_by[rule] = by_codes
+  end
+  local by_head = by_codes[codes]
+  if not by_head then
+    by_head = {}
+    by_codes[codes] = by_head
+  end
+  local terms = by_head[h]
+  if not terms then
+    terms = {}
+    by_head[h] = terms
+  end
+  return terms
+end
+
+local function term(name, rule, codes, h)
+  local f = fieldnum(name)
+  if not f then return false end
   local c, N, M, F = rule[1], rule[2], rule[3], rule[4]
-  local nf = #flat
-  local h = head_of(flat, c)
-  local lo, hi = c - N, c + F
+  local base = f
+  if f < 0 then base = -f - 1 end
+  local pos = base % M
+  local code = codes[(base - pos) / M]
+  if not code then return false end
+  local b = h - (h - pos) % M
+  if b < c - N or b > c + F then return false end
+  local w = weights(code, b)
+  if f >= 0 then return {w[1], w[2]} end
+  return {w[3], w[4]}
+end
+
+local function key_sums(flat, rule, codes)
+  local h = head_of(flat, rule[1])
+  local terms = terms_of(rule, codes, h)
   local s1, s2, n = 0, 0, 0
-  for i = 1, nf, 2 do
+  for i = 1, #flat, 2 do
     local name = flat[i]
-    local f = fieldnums[name]
-    if f == nil then f = fieldnum(name) end
-    if f then
+    local t = terms[name]
+    if t == nil then
+      t = term(name, rule, codes, h)
+      terms[name] = t
+    end
+    if t then
       local v = tonumber(flat[i + 1])
       if v and v > 0 and v < W53 and v % 1 == 0 then
-        local base = f
-        if f < 0 then base = -f - 1 end
-        local pos = base % M
-        local code = codes[(base - pos) / M]
-        if code then
-          local b = h - (h - pos) % M
-          if b >= lo and b <= hi then
-            local w = code[3][b]
-            if not w then w = weights(code, b) end
-            if f >= 0 then
-              s1 = s1 + w[1] * (v % P1) % P1
-              s2 = s2 + w[2] * (v % P2) % P2
-            else
-              s1 = s1 + w[3] * (v % P1) % P1
-              s2 = s2 + w[4] * (v % P2) % P2
-            end
-            n = n + 1
-          end
-        end
+        s1 = s1 + t[1] * (v % P1) % P1
+        s2 = s2 + t[2] * (v % P2) % P2
+        n = n + 1
       end
     end
   end

@@ -1,8 +1,9 @@
 -- ae_scan: one bounded page of an anti-entropy pass over this node's data keys.
 -- KEYS: any key of this node (routing only)
--- ARGV: mode ('d' digests | 'l' list), now_us, match pattern, prefix length,
---   leaves per shard L, shards, max keys, max fields, big key fields, leaf
---   bitmap ('l' only: bit g of byte g // 8, lowest bit first), max
+-- ARGV: mode ('s' shard digests | 'd' digests | 'l' list), now_us, match
+--   pattern, prefix length, leaves per shard L, shards, max keys, max fields,
+--   big key fields, bitmap (bit g of byte g // 8, lowest bit first; 'l': of
+--   the leaves to list; 'd': of the shards to digest, empty for all), max
 --   microseconds, rules (n, then
 --   per rule: name, res_us, N, M, F), registries: the usual one (nslots, then
 --   per slot: index, code1, code2), then the shards whose registry differs (n,
@@ -22,6 +23,8 @@
 --   shards}
 --   'd': out = {leaf, digest, ...} (global leaf = shard * L + leaf), shards =
 --        {shard, sum of its keys' digests mod 2^52, keys, ...} (big keys not in)
+--   's': out = {}, shards as for 'd' (a pass that only compares shards: the
+--        per-key leaves cost the caller more than the rest of the page)
 --   'l': out = {shard, rule:subject, digest, ...} for keys in the bitmap's leaves,
 --        shards = {}
 --   big = {key, leaf, ...}. Keys without a live non-zero cell are left out.
@@ -31,7 +34,8 @@ local pattern, plen = ARGV[3], tonumber(ARGV[4])
 local L, want, budget, big_fields = tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local bitmap, max_us = ARGV[10], tonumber(ARGV[11])
 local cursor = ARGV[#ARGV]
-local listing = mode == 'l'
+local listing, leafless = mode == 'l', mode == 's'
+local scope = mode == 'd' and #bitmap > 0 and bitmap or nil
 local rules, a = read_rules(12, now)
 local function elapsed()
   local t = call('TIME')
@@ -65,6 +69,9 @@ local function process(batch)
         shardnums[tag] = shard
       end
       local codes = shard and shard >= 0 and shard < shards and (regs[shard] or default)
+      if codes and scope and band(byte(scope, (shard - shard % 8) / 8 + 1) or 0, lshift(1, shard % 8)) == 0 then
+        codes = nil
+      end
       local stop = find(key, ':', close + 2, true)
       local rule = stop and rules[sub(key, close + 2, stop - 1)]
       if codes and rule then
@@ -94,13 +101,13 @@ local function process(batch)
                 out[#out + 1] = shard
                 out[#out + 1] = suffix
               else
-                out[#out + 1] = g
+                if not leafless then out[#out + 1] = g end
                 local sum = (shard_sum[shard] or 0) + w
                 if sum >= W52 then sum = sum - W52 end
                 shard_sum[shard] = sum
                 shard_keys[shard] = (shard_keys[shard] or 0) + 1
               end
-              out[#out + 1] = w
+              if not leafless then out[#out + 1] = w end
             end
           end
         end
