@@ -11,6 +11,7 @@ A complete file (every key; only ``[proxy] upstreams``, one of ``redis_url`` /
     timeout = "30s"                       # upstream silence: until headers -> 504 (default 30 s)
     retry_connect = true                  # next upstream on connect failure (bodiless idempotent requests)
     preserve_host = false                 # false: Host = the upstream's; true: the client's
+    fast_path = true                      # serve common requests without aiohttp (http:// upstreams only)
     trusted_proxies = ["10.0.0.0/8"]      # honour Forwarded / X-Forwarded-* from these peers
     legacy_headers = false                # also X-RateLimit-Limit / -Remaining / -Reset
     max_body = 10485760                   # bytes; 413 above (default: unlimited)
@@ -75,7 +76,7 @@ from geolimit.toml_config import (
 __all__ = ["MAX_WORKERS", "ProxyConfig", "load_proxy_config", "parse_proxy_config", "with_workers"]
 
 _PROXY_KEYS = {
-    "listen", "admin_listen", "upstreams", "connect_timeout", "timeout", "retry_connect", "preserve_host",
+    "listen", "admin_listen", "upstreams", "connect_timeout", "timeout", "retry_connect", "preserve_host", "fast_path",
     "trusted_proxies", "legacy_headers", "max_body", "shutdown_timeout", "region", "redis_url", "agent_url",
     "agent_token_file", "decision_timeout", "key_prefix", "shards", "workers",
 }
@@ -99,6 +100,7 @@ class ProxyConfig:
     timeout: float = 30.0
     retry_connect: bool = True
     preserve_host: bool = False
+    fast_path: bool = True  # geolimit/proxy/fast_server.py (off for https upstreams)
     trusted_proxies: tuple[str, ...] = ()
     legacy_headers: bool = False
     max_body: int | None = None
@@ -178,7 +180,7 @@ def _proxy_options(proxy: Mapping[str, Any], src: str) -> dict[str, Any]:
     for key in ("connect_timeout", "timeout", "shutdown_timeout", "decision_timeout"):
         if key in proxy:
             opts[key] = parse_seconds(proxy[key], src, f"proxy.{key}")
-    for key in ("retry_connect", "preserve_host", "legacy_headers"):
+    for key in ("retry_connect", "preserve_host", "legacy_headers", "fast_path"):
         if key in proxy:
             opts[key] = require(proxy, key, bool, src, f"proxy.{key}")
     if "trusted_proxies" in proxy:

@@ -26,6 +26,8 @@ from geolimit.http.keys import Network
 
 __all__ = ["HOP_BY_HOP", "forwarded_element", "request_headers", "response_headers"]
 
+_Headers = CIMultiDict[str] | CIMultiDictProxy[str]
+
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te",
     "trailer", "trailers", "transfer-encoding", "upgrade",
@@ -38,7 +40,7 @@ _DROPPED = HOP_BY_HOP | _REBUILT
 _TOKEN_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 
-def _named_in_connection(headers: CIMultiDictProxy[str]) -> frozenset[str]:
+def _named_in_connection(headers: _Headers) -> frozenset[str]:
     values = headers.getall("Connection", ())
     if not values:
         return frozenset()
@@ -90,13 +92,13 @@ def _peer_trusted(peer: str | None, trusted: tuple[Network, ...]) -> bool:
     return any(addr in net for net in trusted)
 
 
-def _joined(headers: CIMultiDictProxy[str], name: str) -> str:
+def _joined(headers: _Headers, name: str) -> str:
     """Every value of ``name`` as one comma-separated list (duplicated headers merged)."""
     return ", ".join(v.strip() for v in headers.getall(name, ()) if v.strip())
 
 
 def request_headers(
-    headers: CIMultiDictProxy[str],
+    headers: _Headers,
     *,
     peer: str | None,
     scheme: str,
@@ -137,7 +139,7 @@ def request_headers(
     return out
 
 
-def response_headers(headers: CIMultiDictProxy[str], extra: Iterable[tuple[str, str]] = ()) -> CIMultiDict[str]:
+def response_headers(headers: _Headers, extra: Iterable[tuple[str, str]] = ()) -> CIMultiDict[str]:
     """The upstream response's end-to-end headers, plus ``extra`` (replacing same-named ones)."""
     named = _named_in_connection(headers)
     out: CIMultiDict[str] = CIMultiDict()

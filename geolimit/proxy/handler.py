@@ -19,46 +19,26 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from geolimit.errors import RequestError
-from geolimit.http.guard import Guard, RoutePolicy, Verdict
-from geolimit.http.headers import PROBLEM_TYPE, problem_body, problem_document
-from geolimit.http.keys import Network, RequestInfo
+from geolimit.http.keys import RequestInfo
 from geolimit.proxy.config import ProxyConfig
+from geolimit.proxy.decide import Local, decide, local_problem
 from geolimit.proxy.forwarding import request_headers, response_headers
 from geolimit.proxy.metrics import ProxyMetrics
+from geolimit.proxy.state import State, Upstream, upstream_for
 
-__all__ = ["SMALL_BODY", "Forwarder", "State"]
+__all__ = ["SMALL_BODY", "Forwarder", "State", "Upstream", "problem", "upstream_for"]
 
 log = logging.getLogger("geolimit.proxy")
 
 SMALL_BODY = 64 * 1024
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 _NO_BODY_STATUS = frozenset({204, 304})
-
-
-@dataclass(frozen=True)
-class Upstream:
-    base: str  # scheme://host:port
-    host: str  # the Host header for it
-
-
-@dataclass(frozen=True)
-class State:
-    """Everything a reload replaces at once; a request keeps the state it started with."""
-
-    config: ProxyConfig
-    guard: Guard
-    trusted: tuple[Network, ...]
-    upstreams: tuple[Upstream, ...]
-    timeout: aiohttp.ClientTimeout
-    checked_costs: frozenset[int]  # id() of policies whose costs come from the request
 
 
 class _BodyTooLarge(Exception):
@@ -80,21 +60,13 @@ def _origin_form(raw_target: str) -> str | None:
 
 def problem(status: int, title: str, detail: str, instance: str, headers: Iterable[tuple[str, str]] = ()) -> web.Response:
     """An RFC 9457 response; ``instance`` is the request path (percent-encoded here)."""
-    body = problem_document(status, title, detail, instance)
-    resp = web.Response(status=status, body=body, headers=dict(headers))
-    resp.content_type = PROBLEM_TYPE
+    return _response(local_problem(status, title, detail, instance, headers))
+
+
+def _response(local: Local) -> web.Response:
+    resp = web.Response(status=local.status, body=local.body, headers=CIMultiDict(local.headers))
+    resp.content_type = local.content_type
     return resp
-
-
-def upstream_for(url: str) -> Upstream:
-    """An upstream base URL and the Host header that names it."""
-    parsed = URL(url)
-    host = parsed.raw_host or ""
-    if ":" in host:
-        host = f"[{host}]"
-    if not parsed.is_default_port():
-        host += f":{parsed.port}"
-    return Upstream(url, host)
 
 
 class Forwarder:
@@ -117,74 +89,11 @@ class Forwarder:
         return resp
 
     async def _handle(self, state: State, request: web.BaseRequest) -> tuple[str, web.StreamResponse]:
-        config = state.config
         info = RequestInfo(request.method, request.path, request.headers, request.remote, request.content_length)
-        route = ""
-        verdict: Verdict | None = None
-        found = state.guard.match(info)
-        if found is not None:
-            route = found[0].route.template
-        if config.max_body is not None and (info.content_length or 0) > config.max_body:
-            return route, self._unread(request, problem(
-                413, "Content Too Large", f"the body exceeds {config.max_body} bytes", request.path))
-        if found is not None and found[0].limits:
-            policy = found[0]
-            if id(policy) in state.checked_costs:
-                for limit in policy.limits:
-                    try:
-                        limit.cost.cost(info)
-                    except RequestError as exc:
-                        return route, self._unread(request, problem(
-                            400, "Bad Request", f"cannot read the cost of rule {limit.rule!r}: {exc}", request.path))
-            try:
-                verdict = await state.guard.check(info)
-            except RequestError as exc:
-                return route, self._unread(request, problem(
-                    400, "Bad Request", f"cannot rate-limit this request: {exc}", request.path))
-            self._count(route, policy, verdict)
-            if not verdict.allowed:
-                return route, self._unread(request, self._refusal(request, verdict, config.legacy_headers))
-        extra: list[tuple[str, str]] = []
-        if verdict is not None:  # informational; a shadow limit's wait is no reason to come back later
-            extra = [h for h in verdict.headers(config.legacy_headers) if h[0] != "Retry-After"]
+        route, local, extra = await decide(state, self.metrics, info)
+        if local is not None:
+            return route, self._unread(request, _response(local))
         return route, await self._forward(state, request, extra)
-
-    def _count(self, route: str, policy: RoutePolicy, verdict: Verdict) -> None:
-        failed, shadow, denied = list(verdict.failed), list(verdict.shadow_denied), list(verdict.denied_by)
-        for limit in policy.limits:
-            rule = limit.rule
-            if limit.shadow and not verdict.allowed:
-                continue  # shadow limits count only the requests the enforced ones admit
-            if rule in failed:
-                failed.remove(rule)
-                if rule in denied and limit.on_error == "deny" and not limit.shadow:
-                    denied.remove(rule)
-                result = f"error_{limit.on_error}"
-            elif rule in shadow:
-                shadow.remove(rule)
-                result = "shadow_denied"
-            elif rule in denied:
-                denied.remove(rule)
-                result = "denied"
-            else:
-                result = "allowed"
-            self.metrics.decision(route, rule, result)
-
-    @staticmethod
-    def _refusal(request: web.BaseRequest, verdict: Verdict, legacy: bool) -> web.Response:
-        headers = verdict.headers(legacy)
-        decision = verdict.decision
-        if verdict.bad_request is not None:
-            return problem(400, "Bad Request", verdict.bad_request, request.path)
-        if decision is not None and not decision.allowed:
-            resp = web.Response(status=429, body=problem_body(decision, request.path), headers=headers)
-            resp.content_type = PROBLEM_TYPE
-            log.debug("denied %s %s by %s", request.method, request.path, ", ".join(verdict.denied_by))
-            return resp
-        names = ", ".join(verdict.denied_by)
-        return problem(503, "Service Unavailable",
-                       f"the rate limit storage is unavailable and rule(s) {names} fail closed",
-                       request.path, [*headers, ("Retry-After", "1")])
 
     @staticmethod
     def _unread(request: web.BaseRequest, resp: web.StreamResponse) -> web.StreamResponse:
@@ -226,7 +135,7 @@ class Forwarder:
             request.headers, peer=request.remote, scheme=request.scheme, trusted=state.trusted,
             upstream_host=None, content_length=request.content_length,
         )
-        candidates = self._candidates(state, request.method, data)
+        candidates = self.candidates(state, request.method, data)
         for attempt, up in enumerate(candidates):
             try:
                 upstream = await self._send(state, request.method, up, target, headers, data)
@@ -259,7 +168,7 @@ class Forwarder:
         except (ConnectionError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _ClientGone from exc
 
-    def _candidates(self, state: State, method: str,
+    def candidates(self, state: State, method: str,
                     data: bytes | AsyncIterator[bytes] | None) -> list[Upstream]:
         """The upstreams to try in order: the next in turn, then the others if a retry is safe."""
         upstreams = state.upstreams

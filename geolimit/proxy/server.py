@@ -18,22 +18,27 @@ and its ``/metrics`` describe every worker (geolimit/proxy/metrics.py).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import fields
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http import SERVER_SOFTWARE
 
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.errors import ConfigError, GeolimitError, StorageError
 from geolimit.http.agent_client import AgentClient
 from geolimit.http.guard import Guard
 from geolimit.http.keys import trusted_networks
-from geolimit.http.listener import listen
+from geolimit.http.listener import bind_sockets, listen
 from geolimit.proxy.config import ProxyConfig
 from geolimit.proxy.decider import ProxyDecider
-from geolimit.proxy.handler import Forwarder, State, upstream_for
+from geolimit.proxy.fast_forward import FastForwarder
+from geolimit.proxy.fast_server import FastServer
+from geolimit.proxy.fast_upstream import UpstreamPool
+from geolimit.proxy.handler import SMALL_BODY, Forwarder, State, upstream_for
 from geolimit.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 
 __all__ = ["Proxy"]
@@ -42,7 +47,7 @@ log = logging.getLogger("geolimit.proxy")
 
 #: Settings a reload cannot change (reported, not applied).
 _RESTART = ("listen", "admin_listen", "redis_url", "agent_url", "agent_token", "region", "key_prefix", "shards",
-            "decision_timeout", "log_format", "log_level", "workers")
+            "decision_timeout", "log_format", "log_level", "workers", "fast_path")
 #: Request headers aiohttp's client would add on its own: the proxy sends only the client's.
 _SKIP_AUTO = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
@@ -73,6 +78,7 @@ class Proxy:
         self.forwarder: Forwarder | None = None
         self._session: aiohttp.ClientSession | None = None
         self._runners: list[web.BaseRunner] = []
+        self._fast: FastServer | None = None
         self._addresses: list[tuple[str, int]] = []
         self._ready = False
 
@@ -117,19 +123,47 @@ class Proxy:
             runners.append((web.AppRunner(self._admin_app(), access_log=None, handle_signals=False),
                             cfg.admin_listen))
         try:
-            for runner, (host, port) in runners:
+            for i, (runner, (host, port)) in enumerate(runners):
                 await runner.setup()
                 self._runners.append(runner)
-                self._addresses.append(await listen(runner, host, port, reuse_port=self.reuse_port))
+                if i == 0 and self._fast_path():
+                    self._addresses.append(await self._serve_fast(server, host, port))
+                else:
+                    self._addresses.append(await listen(runner, host, port, reuse_port=self.reuse_port))
         except OSError as exc:
             await self._close()
             raise GeolimitError(f"proxy: cannot listen: {exc}") from exc
         self._ready = True
         self.metrics.start()
         mode = f"Redis {cfg.redis_url} as region {cfg.region}" if cfg.redis_url else f"agent {cfg.agent_url}"
-        log.info("proxy listening on %s (admin: %s; upstreams: %s; decisions: %s; %d routes)%s", self.url,
+        log.info("proxy listening on %s (admin: %s; upstreams: %s; decisions: %s; %d routes; %s)%s", self.url,
                  self.admin_url or "none", ", ".join(cfg.upstreams), mode, len(cfg.routes),
+                 "fast path" if self._fast is not None else "aiohttp only",
                  f" as worker {self.worker_index} of {cfg.workers}" if cfg.workers > 1 else "")
+
+    def _fast_path(self) -> bool:
+        """The fast path serves the listener unless turned off or an upstream needs TLS."""
+        return self.config.fast_path and all(u.startswith("http://") for u in self.config.upstreams)
+
+    async def _serve_fast(self, server: web.Server, host: str, port: int) -> tuple[str, int]:
+        """The proxied listener on the fast path; ``server`` (aiohttp) gets the requests it hands off."""
+        assert self.forwarder is not None
+        sockets = bind_sockets(host, port, reuse_port=self.reuse_port)
+        address: tuple[str, int] = sockets[0].getsockname()[:2]
+
+        def body_limit() -> int:
+            max_body = self.config.max_body
+            return SMALL_BODY if max_body is None else min(SMALL_BODY, max_body)
+
+        fast = FastServer(FastForwarder(self.forwarder, UpstreamPool()), server, body_limit, SERVER_SOFTWARE)
+        self._fast = fast
+        try:
+            await fast.serve(sockets)
+        except OSError:
+            for sock in sockets:
+                sock.close()
+            raise
+        return address
 
     async def stop(self) -> None:
         """Stop accepting; in-flight requests get ``shutdown_timeout`` seconds to finish."""
@@ -139,6 +173,9 @@ class Proxy:
     async def _close(self) -> None:
         self._ready = False
         await self.metrics.stop()
+        fast, self._fast = self._fast, None
+        if fast is not None:  # with the aiohttp runner, which has the connections the fast path handed off
+            await asyncio.gather(fast.stop(self.config.shutdown_timeout), self._runners[0].cleanup())
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()

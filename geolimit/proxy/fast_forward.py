@@ -1,0 +1,245 @@
+"""One request on the fast path: decide, send it upstream, relay the answer (geolimit/proxy/fast_server.py).
+
+The same steps, answers, metrics and log lines as the aiohttp handler
+(geolimit/proxy/handler.py): :func:`~geolimit.proxy.decide.decide` first; then the
+upstreams in turn (the next one after a connect failure, for idempotent requests,
+as ``retry_connect`` says); a pooled connection that turns out to be closed by the
+upstream before it answered is retried once on a new connection (idempotent
+methods only, as aiohttp's client does). Response bodies of at most
+:data:`~geolimit.proxy.handler.SMALL_BODY` bytes with a known length are read
+whole and sent with the head in one write; others stream with flow control.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+
+from aiohttp.http import SERVER_SOFTWARE
+from multidict import CIMultiDict
+
+from geolimit.http.keys import RequestInfo
+from geolimit.proxy.decide import Local, decide, local_problem
+from geolimit.proxy.fast_upstream import UpstreamConnection, UpstreamPool
+from geolimit.proxy.fast_wire import FastRequest, UpstreamHead, WireError, http_date, serialize_head
+from geolimit.proxy.forwarding import request_headers, response_headers
+from geolimit.proxy.handler import _IDEMPOTENT, SMALL_BODY, Forwarder
+from geolimit.proxy.state import State, Upstream
+
+if TYPE_CHECKING:
+    from geolimit.proxy.fast_server import FastProtocol
+
+__all__ = ["FastForwarder"]
+
+log = logging.getLogger("geolimit.proxy")
+
+_BODILESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})  # no Content-Length: 0 added (as aiohttp)
+
+
+class _Collector:
+    """Collects a small body; ``done`` resolves with it."""
+
+    __slots__ = ("done", "parts")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.parts: list[bytes] = []
+        self.done: asyncio.Future[bytes] = loop.create_future()
+
+    def body_data(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def body_done(self, exc: BaseException | None) -> None:
+        if not self.done.done():
+            if exc is None:
+                self.done.set_result(b"".join(self.parts))
+            else:
+                self.done.set_exception(exc)
+
+
+class _Relay:
+    """Streams a body to the client as it arrives (chunked unless its length is known)."""
+
+    __slots__ = ("chunked", "client", "done", "upstream")
+
+    def __init__(self, client: FastProtocol, upstream: UpstreamConnection, chunked: bool) -> None:
+        self.client = client
+        self.upstream = upstream
+        self.chunked = chunked
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def body_data(self, data: bytes) -> None:
+        transport = self.client.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+
+    def body_done(self, exc: BaseException | None) -> None:
+        transport = self.client.transport
+        if exc is None and self.chunked and transport is not None and not transport.is_closing():
+            transport.write(b"0\r\n\r\n")
+        if not self.done.done():
+            if exc is None:
+                self.done.set_result(None)
+            else:
+                self.done.set_exception(exc)
+
+    def pause(self) -> None:
+        self.upstream.pause()
+
+    def resume(self) -> None:
+        self.upstream.resume()
+
+
+class FastForwarder:
+    """Serves the requests of the fast path; shares state and round robin with the aiohttp :class:`Forwarder`."""
+
+    def __init__(self, forwarder: Forwarder, pool: UpstreamPool) -> None:
+        self.forwarder = forwarder
+        self.metrics = forwarder.metrics
+        self.pool = pool
+
+    async def serve(self, client: FastProtocol, req: FastRequest, body: bytes) -> None:
+        """Answer one request (cancelled when the client goes away: nothing counted, as aiohttp)."""
+        metrics = self.metrics
+        state = self.forwarder.state
+        metrics.in_flight += 1
+        try:
+            info = RequestInfo(req.method, req.path, req.headers, client.peer, req.content_length)
+            route, local, extra = await decide(state, metrics, info)
+            if local is not None:
+                status = client.send_local(local, req)
+            else:
+                status = await self._forward(state, client, req, body, extra)
+        finally:
+            metrics.in_flight -= 1
+        metrics.response(route, status)
+
+    async def _forward(self, state: State, client: FastProtocol, req: FastRequest, body: bytes,
+                       extra: list[tuple[str, str]]) -> int:
+        config = state.config
+        headers = request_headers(req.headers, peer=client.peer, scheme="http", trusted=state.trusted,
+                                  upstream_host=None, content_length=req.content_length)
+        if req.content_length is None and req.method not in _BODILESS_METHODS:
+            headers["Content-Length"] = "0"
+        candidates = self.forwarder.candidates(state, req.method, body)
+        idempotent = req.method in _IDEMPOTENT
+        for attempt, up in enumerate(candidates):
+            if not config.preserve_host or "Host" not in headers:
+                headers["Host"] = up.host
+            data = serialize_head(f"{req.method} {req.target} HTTP/1.1", headers) + body
+            fresh = False
+            while True:
+                try:
+                    conn = await (self.pool.connect(up, config.connect_timeout) if fresh
+                                  else self.pool.acquire(up, config.connect_timeout))
+                except (asyncio.TimeoutError, OSError) as exc:
+                    retrying = attempt + 1 < len(candidates)
+                    self._count_unreachable(up, exc, retrying)
+                    if retrying:
+                        break
+                    return client.send_local(self._unreachable(exc, req), req)
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                try:
+                    head = await conn.exchange(data, req.method, config.timeout)
+                except asyncio.CancelledError:
+                    conn.abort()
+                    raise
+                except (asyncio.TimeoutError, WireError, OSError) as exc:
+                    stale = (conn.reused and not conn.received and idempotent
+                             and not isinstance(exc, (asyncio.TimeoutError, WireError)))
+                    if stale and not fresh:
+                        fresh = True
+                        continue
+                    return client.send_local(self._failed(up, exc, req, config.timeout), req)
+                self.metrics.upstream_latency(up.base, loop.time() - started)
+                return await self._relay(client, conn, head, req, extra, up, config.timeout)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _relay(self, client: FastProtocol, conn: UpstreamConnection, head: UpstreamHead, req: FastRequest,
+                     extra: list[tuple[str, str]], up: Upstream, timeout: float) -> int:
+        status = head.status
+        out = response_headers(head.headers, extra)
+        empty = req.method == "HEAD" or status in (204, 304)
+        if status in (204, 304):
+            out.popall("Content-Length", None)
+        length = head.length
+        if not empty:
+            if length is None:
+                out.popall("Content-Length", None)
+                out["Transfer-Encoding"] = "chunked"
+            else:
+                out["Content-Length"] = str(length)
+            if length != 0:
+                out.setdefault("Content-Type", "application/octet-stream")
+        close = client.closing(req)
+        first = self._head(status, head.reason, out, close)
+        if empty or length == 0 or (length is not None and length <= SMALL_BODY):
+            collector = _Collector(asyncio.get_running_loop())
+            conn.consume(collector)
+            try:
+                body = await collector.done
+            except asyncio.CancelledError:
+                conn.abort()
+                raise
+            except (asyncio.TimeoutError, WireError, OSError) as exc:
+                return client.send_local(self._failed(up, exc, req, timeout), req)
+            client.write(first + (b"" if empty else body), close)
+            return status
+        client.write(first, False)
+        relay = _Relay(client, conn, length is None)
+        client.relay = relay
+        conn.consume(relay)
+        try:
+            await relay.done
+        except asyncio.CancelledError:
+            conn.abort()
+            raise
+        except (asyncio.TimeoutError, WireError, OSError) as exc:
+            self.metrics.upstream_error(up.base, "body_aborted")
+            log.warning("upstream %s: response body of %s %s broke off (%s: %.200s); aborting the client's "
+                        "connection", up.base, req.method, req.path, type(exc).__name__, exc)
+            client.abort()
+            return status
+        finally:
+            client.relay = None
+        client.write(b"", close)
+        return status
+
+    @staticmethod
+    def _head(status: int, reason: str, headers: CIMultiDict[str], close: bool) -> bytes:
+        if "Date" not in headers:
+            headers["Date"] = http_date()
+        headers.setdefault("Server", SERVER_SOFTWARE)
+        if close and "Connection" not in headers:
+            headers["Connection"] = "close"
+        if not reason:
+            try:
+                reason = HTTPStatus(status).phrase
+            except ValueError:
+                reason = ""
+        return serialize_head(f"HTTP/1.1 {status} {reason}", headers)
+
+    def _count_unreachable(self, up: Upstream, exc: BaseException, retrying: bool) -> None:
+        timed_out = isinstance(exc, asyncio.TimeoutError)
+        self.metrics.upstream_error(up.base, "timeout" if timed_out else "connect")
+        log.warning("upstream %s: cannot connect: %.200s%s", up.base, exc or type(exc).__name__,
+                    "; trying the next upstream" if retrying else "")
+
+    @staticmethod
+    def _unreachable(exc: BaseException, req: FastRequest) -> Local:
+        if isinstance(exc, asyncio.TimeoutError):
+            return local_problem(504, "Gateway Timeout", "connecting to the upstream timed out", req.path)
+        return local_problem(502, "Bad Gateway", "the upstream is unreachable", req.path)
+
+    def _failed(self, up: Upstream, exc: BaseException, req: FastRequest, timeout: float) -> Local:
+        """The exchange failed before the response could be sent."""
+        if isinstance(exc, asyncio.TimeoutError):
+            self.metrics.upstream_error(up.base, "timeout")
+            log.warning("upstream %s: no response within %.3gs to %s %s", up.base, timeout, req.method, req.path)
+            return local_problem(504, "Gateway Timeout", "the upstream did not answer in time", req.path)
+        self.metrics.upstream_error(up.base, "protocol")
+        log.warning("upstream %s: %s %s failed: %s: %.200s", up.base, req.method, req.path, type(exc).__name__, exc)
+        return local_problem(502, "Bad Gateway", "the upstream failed to answer", req.path)

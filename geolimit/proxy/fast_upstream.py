@@ -1,0 +1,310 @@
+"""Upstream connections of the fast path: asyncio Protocols in one keep-alive pool.
+
+:class:`UpstreamConnection` sends one request at a time and parses the answer:
+:meth:`~UpstreamConnection.exchange` resolves with the response head, after which
+the body goes to a :class:`BodyConsumer` (bytes in ``data_received`` order, then
+the end or the error). A body framed by ``Content-Length`` or chunked encoding,
+on an HTTP/1.1 connection not marked ``close``, returns the connection to the
+:class:`UpstreamPool` as soon as its last byte arrived. The read timeout
+(``[proxy] timeout``) restarts with every read, as aiohttp's ``sock_read``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol, cast
+
+from yarl import URL
+
+from geolimit.proxy.fast_wire import ChunkedDecoder, UpstreamHead, WireError, parse_response_head
+from geolimit.proxy.state import Upstream
+
+__all__ = ["BodyConsumer", "UpstreamClosed", "UpstreamConnection", "UpstreamPool"]
+
+MAX_HEAD = 64 * 1024
+IDLE_SECONDS = 15.0  # a pooled connection idle longer is closed (aiohttp's keepalive_timeout)
+MAX_IDLE = 256  # pooled connections per upstream
+
+
+class UpstreamClosed(ConnectionError):
+    """The upstream closed the connection before the response was complete."""
+
+
+class BodyConsumer(Protocol):
+    def body_data(self, data: bytes) -> None: ...
+
+    def body_done(self, exc: BaseException | None) -> None: ...
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One keep-alive connection to an upstream."""
+
+    def __init__(self, pool: UpstreamPool, base: str) -> None:
+        self.pool = pool
+        self.base = base
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.reused = False
+        self.received = False  # any byte of the current response
+        self.idle_since = 0.0
+        self._loop = asyncio.get_running_loop()
+        self._timeout = 30.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._buf = b""
+        self._method = "GET"
+        self._head_waiter: asyncio.Future[UpstreamHead] | None = None
+        self._head: UpstreamHead | None = None
+        self._left = 0
+        self._chunks: ChunkedDecoder | None = None
+        self._pending: list[bytes] = []
+        self._ended: BaseException | bool | None = False  # False: body not ended; None: ended well
+        self._consumer: BodyConsumer | None = None
+
+    # -- asyncio callbacks -----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        if self._head_waiter is None and self._head is None:
+            self._fail(WireError("data from the upstream while no request was waiting"))
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = self._loop.call_later(self._timeout, self._timed_out)
+        if self._head is not None:
+            self._body(data)
+            return
+        buf = self._buf + data if self._buf else data
+        while self._head is None:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > MAX_HEAD:
+                    self._fail(WireError("response head too large"))
+                    return
+                self._buf = buf
+                return
+            try:
+                head = parse_response_head(buf[:end + 4], self._method)
+            except WireError as exc:
+                self._fail(exc)
+                return
+            buf = buf[end + 4:]
+            if head.status < 200:
+                if head.status == 101:
+                    self._fail(WireError("101 Switching Protocols without an Upgrade request"))
+                    return
+                continue  # an interim response (100, 103): the final one follows
+            self._start_body(head)
+        self._buf = b""
+        if buf:
+            self._body(buf)
+
+    def eof_received(self) -> bool | None:
+        return False  # close; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._head is not None and self._ended is False and self._head.length is None and not self._head.chunked:
+            self._end(None)  # the body was delimited by the close
+            return
+        if self._head_waiter is not None or (self._head is not None and self._ended is False):
+            self._fail(exc or UpstreamClosed("the upstream closed the connection"))
+        self.pool.forget(self)
+
+    # -- the exchange --------------------------------------------------------------------
+
+    def exchange(self, data: bytes, method: str, timeout: float) -> asyncio.Future[UpstreamHead]:
+        """Send a whole request; the future resolves with the response head."""
+        assert self.transport is not None
+        assert self._head_waiter is None
+        self._method = method
+        self._timeout = timeout
+        self._head = None
+        self._chunks = None
+        self._pending = []
+        self._ended = False
+        self._consumer = None
+        self.received = False
+        waiter: asyncio.Future[UpstreamHead] = self._loop.create_future()
+        self._head_waiter = waiter
+        self._timer = self._loop.call_later(timeout, self._timed_out)
+        self.transport.write(data)
+        return waiter
+
+    def consume(self, consumer: BodyConsumer) -> None:
+        """Send the body (what arrived so far at once) to ``consumer``."""
+        self._consumer = consumer
+        pending, self._pending = self._pending, []
+        for piece in pending:
+            consumer.body_data(piece)
+        if self._ended is not False:
+            ended = self._ended
+            self._consumer = None
+            consumer.body_done(ended if isinstance(ended, BaseException) else None)
+
+    def pause(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def abort(self) -> None:
+        """Drop the connection (an exchange the client gave up)."""
+        self._cancel_timer()
+        self._consumer = None
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+        self.pool.forget(self)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _start_body(self, head: UpstreamHead) -> None:
+        self._head = head
+        if head.chunked:
+            self._chunks = ChunkedDecoder()
+        elif head.length is not None:
+            self._left = head.length
+        waiter, self._head_waiter = self._head_waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(head)
+        if head.length == 0:
+            self._end(None)
+
+    def _body(self, data: bytes) -> None:
+        if self._ended is not False:
+            self._fail(WireError("data after the end of the response"))
+            return
+        head = self._head
+        assert head is not None
+        if self._chunks is not None:
+            try:
+                pieces = self._chunks.feed(data)
+            except WireError as exc:
+                self._fail(exc)
+                return
+            for piece in pieces:
+                self._deliver(piece)
+            if self._chunks.done:
+                self._end(None)
+        elif head.length is not None:
+            if len(data) > self._left:
+                self._deliver(data[:self._left])
+                self._left = 0
+                head.keep_alive = False  # more than promised: never reuse this connection
+                self._end(None)
+                return
+            self._left -= len(data)
+            self._deliver(data)
+            if self._left == 0:
+                self._end(None)
+        else:
+            self._deliver(data)
+
+    def _deliver(self, piece: bytes) -> None:
+        if not piece:
+            return
+        if self._consumer is not None:
+            self._consumer.body_data(piece)
+        else:
+            self._pending.append(piece)
+
+    def _end(self, exc: BaseException | None) -> None:
+        self._cancel_timer()
+        self._ended = exc
+        consumer, self._consumer = self._consumer, None
+        if exc is None and self._head is not None and self._head.keep_alive and not self.closed:
+            self._head = None
+            self.pool.release(self)
+        elif not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.abort() if exc is not None else self.transport.close()
+        if consumer is not None:
+            consumer.body_done(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        waiter, self._head_waiter = self._head_waiter, None
+        if waiter is not None and not waiter.done():
+            self._cancel_timer()
+            waiter.set_exception(exc)
+            self.closed = True
+            if self.transport is not None:
+                self.transport.abort()
+            self.pool.forget(self)
+        elif self._head is not None and self._ended is False:
+            self.closed = True
+            self._end(exc)
+            if self.transport is not None:
+                self.transport.abort()
+        else:
+            self.abort()
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        self._fail(asyncio.TimeoutError())
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class UpstreamPool:
+    """Idle keep-alive connections per upstream (most recently used first)."""
+
+    def __init__(self) -> None:
+        self._idle: dict[str, list[UpstreamConnection]] = {}
+        self._addresses: dict[str, tuple[str, int]] = {}
+        self._closed = False
+
+    async def acquire(self, up: Upstream, connect_timeout: float) -> UpstreamConnection:
+        """A pooled connection, or a new one (OSError, or TimeoutError after ``connect_timeout``)."""
+        idle = self._idle.get(up.base)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < IDLE_SECONDS:
+                conn.reused = True
+                return conn
+            conn.abort()
+        return await self.connect(up, connect_timeout)
+
+    async def connect(self, up: Upstream, connect_timeout: float) -> UpstreamConnection:
+        address = self._addresses.get(up.base)
+        if address is None:
+            url = URL(up.base)
+            address = self._addresses[up.base] = (url.raw_host or "", url.port or 80)
+        loop = asyncio.get_running_loop()
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(lambda: UpstreamConnection(self, up.base), *address), connect_timeout)
+        return conn
+
+    def release(self, conn: UpstreamConnection) -> None:
+        idle = self._idle.setdefault(conn.base, [])
+        if self._closed or len(idle) >= MAX_IDLE:
+            conn.closed = True
+            if conn.transport is not None:
+                conn.transport.close()
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    def forget(self, conn: UpstreamConnection) -> None:
+        idle = self._idle.get(conn.base)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    def close(self) -> None:
+        self._closed = True
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.closed = True
+                if conn.transport is not None:
+                    conn.transport.close()
+        self._idle.clear()

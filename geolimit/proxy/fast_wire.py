@@ -1,0 +1,236 @@
+"""HTTP/1.1 message heads and chunked framing for the proxy's fast path (no I/O).
+
+The request parser accepts a deliberately small, strict subset of HTTP/1.1 and
+returns None for anything else, so that the connection can be handed to
+aiohttp's server, which serves or refuses it exactly as the proxy always did:
+
+* request line ``METHOD SP /origin-form SP HTTP/1.1`` (no ``#``);
+* printable ASCII only (and tabs in values): no obs-fold, no bare CR or LF, no
+  byte above 0x7e or control byte anywhere in the head;
+* no ``Transfer-Encoding``, ``Expect`` or ``Upgrade``, at most one ``Host`` and
+  one ``Content-Length`` (digits only).
+
+Responses from upstreams are parsed more leniently (their bytes are passed on as
+they are: Latin-1 in, Latin-1 out) but a head that cannot be framed, with control
+bytes, folded lines or conflicting lengths, is a protocol error (502).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from email.utils import formatdate
+
+from multidict import CIMultiDict
+
+__all__ = ["ChunkError", "ChunkedDecoder", "FastRequest", "UpstreamHead", "WireError", "http_date",
+           "parse_request_head", "parse_response_head", "plausible_start", "serialize_head"]
+
+_BAD_REQUEST_BYTE = re.compile(rb"[^\t\r\n\x20-\x7e]|\r(?!\n)|(?<!\r)\n")
+_BAD_RESPONSE_BYTE = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
+_DIGITS = re.compile(r"[0-9]{1,18}\Z")
+_STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: (.*))?\Z")
+_REQUEST_LINE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+ /[^ #]* HTTP/1\.1\Z")
+_HANDED_OFF = frozenset({"transfer-encoding", "expect", "upgrade"})
+
+
+class WireError(Exception):
+    """An upstream's message cannot be framed."""
+
+
+class ChunkError(WireError):
+    """Bad chunked encoding."""
+
+
+@dataclass(slots=True)
+class FastRequest:
+    """A request head the fast path serves."""
+
+    method: str
+    target: str  # origin-form, raw
+    path: str  # decoded, as aiohttp's request.path
+    headers: CIMultiDict[str]
+    content_length: int | None
+    close: bool  # the client sent Connection: close
+
+
+def parse_request_head(head: bytes) -> FastRequest | None:
+    """``head`` ends with the blank line; None: not for the fast path."""
+    if _BAD_REQUEST_BYTE.search(head):
+        return None
+    lines = head.decode("ascii").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or parts[2] != "HTTP/1.1" or not _TOKEN.match(parts[0]):
+        return None
+    method, target = parts[0], parts[1]
+    if not target.startswith("/") or "#" in target:
+        return None
+    headers: CIMultiDict[str] = CIMultiDict()
+    length: int | None = None
+    close = False
+    hosts = 0
+    for line in lines[1:-2]:
+        name, sep, value = line.partition(":")
+        if not sep or not _TOKEN.match(name):
+            return None
+        value = value.strip(" \t")
+        lower = name.lower()
+        if lower in _HANDED_OFF:
+            return None
+        if lower == "content-length":
+            if length is not None or not _DIGITS.match(value):
+                return None
+            length = int(value)
+        elif lower == "host":
+            hosts += 1
+        elif lower == "connection":
+            tokens = {t.strip().lower() for t in value.split(",")}
+            if "upgrade" in tokens:
+                return None
+            close = close or "close" in tokens
+        headers.add(name, value)
+    if hosts > 1 or (lines[-1] or lines[-2]):
+        return None
+    raw_path = target.split("?", 1)[0]
+    path = raw_path if "%" not in raw_path else _decoded(raw_path)
+    return FastRequest(method, target, path, headers, length, close)
+
+
+def plausible_start(partial: bytes) -> bool:
+    """Whether an incomplete head could still become one the fast path serves."""
+    if _BAD_REQUEST_BYTE.search(partial[:-1] if partial.endswith(b"\r") else partial):  # a CR before its LF
+        return False
+    line_end = partial.find(b"\r\n")
+    first = partial if line_end < 0 else partial[:line_end]
+    method, _, rest = first.partition(b" ")
+    if not _TOKEN.match(method.decode("ascii", "replace")) and (method or rest):
+        return False
+    return line_end < 0 or _REQUEST_LINE.match(first) is not None
+
+
+def _decoded(raw_path: str) -> str:
+    from yarl import URL
+
+    return URL.build(path=raw_path, encoded=True).path
+
+
+@dataclass(slots=True)
+class UpstreamHead:
+    """An upstream response's head and how its body is framed."""
+
+    status: int
+    reason: str
+    headers: CIMultiDict[str]
+    length: int | None  # Content-Length, when that frames the body
+    chunked: bool
+    keep_alive: bool  # the connection can carry another request after this body
+
+
+def parse_response_head(head: bytes, method: str) -> UpstreamHead:
+    """``head`` ends with the blank line (raises WireError)."""
+    if _BAD_RESPONSE_BYTE.search(head):
+        raise WireError("control bytes in the response head")
+    lines = head.decode("latin-1").split("\r\n")[:-2]
+    status_line = _STATUS_LINE.match(lines[0])
+    if status_line is None:
+        raise WireError(f"bad status line {lines[0][:80]!r}")
+    minor, status, reason = int(status_line.group(1)), int(status_line.group(2)), status_line.group(3) or ""
+    headers: CIMultiDict[str] = CIMultiDict()
+    lengths: set[str] = set()
+    encodings: list[str] = []
+    connection: set[str] = set()
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not _TOKEN.match(name):
+            raise WireError(f"bad header line {line[:80]!r}")
+        value = value.strip(" \t")
+        lower = name.lower()
+        if lower == "content-length":
+            lengths.update(v.strip() for v in value.split(","))
+        elif lower == "transfer-encoding":
+            encodings.extend(v.strip().lower() for v in value.split(",") if v.strip())
+        elif lower == "connection":
+            connection.update(v.strip().lower() for v in value.split(","))
+        headers.add(name, value)
+    keep_alive = minor == 1 and "close" not in connection
+    if method == "HEAD" or status in (204, 304) or status < 200:
+        return UpstreamHead(status, reason, headers, 0, False, keep_alive)
+    if encodings:
+        chunked = encodings[-1] == "chunked"
+        return UpstreamHead(status, reason, headers, None, chunked, keep_alive and chunked)
+    if lengths:
+        if len(lengths) != 1 or not _DIGITS.match(next(iter(lengths))):
+            raise WireError("bad or conflicting Content-Length")
+        return UpstreamHead(status, reason, headers, int(next(iter(lengths))), False, keep_alive)
+    return UpstreamHead(status, reason, headers, None, False, False)  # until the upstream closes
+
+
+class ChunkedDecoder:
+    """Incremental chunked decoding: :meth:`feed` returns the data pieces; ``done`` after the last chunk."""
+
+    __slots__ = ("_buf", "_left", "_state", "done")
+
+    MAX_LINE = 4096
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._left = 0  # data bytes of the current chunk still to come
+        self._state = 0  # 0 size line, 1 data, 2 CRLF after data, 3 trailers
+        self.done = False
+
+    def feed(self, data: bytes) -> list[bytes]:
+        out: list[bytes] = []
+        buf = self._buf + data if self._buf else data
+        pos = 0
+        while pos < len(buf) and not self.done:
+            if self._state == 1:
+                take = min(self._left, len(buf) - pos)
+                out.append(buf[pos:pos + take])
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self._state = 2
+                continue
+            end = buf.find(b"\r\n", pos)
+            if end < 0:
+                if len(buf) - pos > self.MAX_LINE:
+                    raise ChunkError("chunk line too long")
+                break
+            line = buf[pos:end]
+            pos = end + 2
+            if self._state == 2:
+                if line:
+                    raise ChunkError("no CRLF after chunk data")
+                self._state = 0
+            elif self._state == 0:
+                size = line.split(b";", 1)[0].strip(b" \t")
+                if not size or len(size) > 15 or size.strip(b"0123456789abcdefABCDEF"):
+                    raise ChunkError(f"bad chunk size {line[:40]!r}")
+                self._left = int(size, 16)
+                self._state = 1 if self._left else 3
+            elif not line:  # state 3: the end of the trailers (dropped, as aiohttp does)
+                self.done = True
+        self._buf = buf[pos:]
+        if self.done and self._buf:
+            raise ChunkError("data after the last chunk")
+        return out
+
+
+_date_cache: tuple[int, str] = (0, "")
+
+
+def http_date() -> str:
+    """The Date header's value (cached for a second)."""
+    global _date_cache
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache = (now, formatdate(now, usegmt=True))
+    return _date_cache[1]
+
+
+def serialize_head(first_line: str, headers: CIMultiDict[str] | list[tuple[str, str]]) -> bytes:
+    """A message head: the first line, the headers, the blank line (Latin-1)."""
+    items = headers.items() if isinstance(headers, CIMultiDict) else headers
+    return (first_line + "\r\n" + "".join(f"{k}: {v}\r\n" for k, v in items) + "\r\n").encode("latin-1")
