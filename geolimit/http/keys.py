@@ -25,6 +25,7 @@ Untrusted peers cannot spoof their address with these headers.
 from __future__ import annotations
 
 import hashlib
+import functools
 import ipaddress
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -68,7 +69,9 @@ def trusted_networks(specs: Iterable[str]) -> tuple[Network, ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=4096)
 def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """An address as a peer or a forwarding header names it (cached: the same few peers come back)."""
     text = text.strip().strip('"')
     if text.startswith("["):  # [v6]:port or [v6]
         text = text[1 : text.find("]")] if "]" in text else text
@@ -95,7 +98,12 @@ def parse_forwarded(values: Sequence[str]) -> list[str]:
 
 
 def _trusted(addr: ipaddress.IPv4Address | ipaddress.IPv6Address, trusted: Sequence[Network]) -> bool:
-    return any(addr in net for net in trusted)
+    return bool(trusted) and any(addr in net for net in trusted)
+
+
+@functools.lru_cache(maxsize=4096)
+def _text(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    return str(addr)
 
 
 def client_address(request: RequestInfo, trusted: Sequence[Network]) -> str:
@@ -104,7 +112,7 @@ def client_address(request: RequestInfo, trusted: Sequence[Network]) -> str:
     if peer is None:
         return request.peer or "unknown"
     if not _trusted(peer, trusted):
-        return str(peer)
+        return _text(peer)
     forwarded = request.header("forwarded")
     chain = parse_forwarded([forwarded]) if forwarded else []
     if not chain:

@@ -60,6 +60,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._pending: list[bytes] = []
         self._ended: BaseException | bool | None = False  # False: body not ended; None: ended well
         self._consumer: BodyConsumer | None = None
+        self._reusable = False
+        self._held = False
 
     # -- asyncio callbacks -----------------------------------------------------------
 
@@ -127,6 +129,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._pending = []
         self._ended = False
         self._consumer = None
+        self._reusable = False
+        self._held = False
         self.received = False
         waiter: asyncio.Future[UpstreamHead] = self._loop.create_future()
         self._head_waiter = waiter
@@ -140,10 +144,11 @@ class UpstreamConnection(asyncio.Protocol):
         pending, self._pending = self._pending, []
         for piece in pending:
             consumer.body_data(piece)
+        if self._held:
+            self._held = False
+            self.resume()
         if self._ended is not False:
-            ended = self._ended
-            self._consumer = None
-            consumer.body_done(ended if isinstance(ended, BaseException) else None)
+            self._settle()
 
     def pause(self) -> None:
         if self.transport is not None and not self.closed:
@@ -211,22 +216,32 @@ class UpstreamConnection(asyncio.Protocol):
             return
         if self._consumer is not None:
             self._consumer.body_data(piece)
-        else:
-            self._pending.append(piece)
+            return
+        self._pending.append(piece)
+        if not self._held and sum(map(len, self._pending)) > MAX_HEAD * 4:
+            self._held = True  # nobody reads yet: stop reading until someone does
+            self.pause()
 
     def _end(self, exc: BaseException | None) -> None:
         self._cancel_timer()
         self._ended = exc
-        consumer, self._consumer = self._consumer, None
-        if exc is None and self._head is not None and self._head.keep_alive and not self.closed:
-            self._head = None
-            self.pool.release(self)
-        elif not self.closed:
+        self._reusable = exc is None and self._head is not None and self._head.keep_alive and not self.closed
+        if not self._reusable and not self.closed:
             self.closed = True
             if self.transport is not None:
                 self.transport.abort() if exc is not None else self.transport.close()
+        if self._consumer is not None:
+            self._settle()
+
+    def _settle(self) -> None:
+        """The body ended and its consumer has it all: tell it; the connection goes back to the pool."""
+        consumer, self._consumer = self._consumer, None
+        ended = self._ended
+        if self._reusable and not self.closed:
+            self._head = None
+            self.pool.release(self)
         if consumer is not None:
-            consumer.body_done(exc)
+            consumer.body_done(ended if isinstance(ended, BaseException) else None)
 
     def _fail(self, exc: BaseException) -> None:
         waiter, self._head_waiter = self._head_waiter, None

@@ -28,12 +28,18 @@ __all__ = ["ChunkError", "ChunkedDecoder", "FastRequest", "UpstreamHead", "WireE
            "parse_request_head", "parse_response_head", "plausible_start", "serialize_head"]
 
 _BAD_REQUEST_BYTE = re.compile(rb"[^\t\r\n\x20-\x7e]|\r(?!\n)|(?<!\r)\n")
-_BAD_RESPONSE_BYTE = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 _DIGITS = re.compile(r"[0-9]{1,18}\Z")
-_STATUS_LINE = re.compile(r"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: (.*))?\Z")
-_REQUEST_LINE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+ /[^ #]* HTTP/1\.1\Z")
+_TCHAR = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]"
+#: Printable ASCII only; the request line's target is origin-form without '#'.
+_REQUEST_HEAD = re.compile(rb"(" + _TCHAR + rb"+) (/[!\x22\x24-\x7e]*) HTTP/1\.1\r\n((?:" + _TCHAR
+                           + rb"+:[\t\x20-\x7e]*\r\n)*)\r\n\Z")
+#: Upstreams' header values may hold obs-text (bytes above 0x7f), passed on as they are.
+_RESPONSE_HEAD = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9][0-9])(?: ([\t\x20-\x7e\x80-\xff]*))?\r\n((?:" + _TCHAR
+                            + rb"+:[\t\x20-\x7e\x80-\xff]*\r\n)*)\r\n\Z")
+_REQUEST_LINE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+ /[!\x22\x24-\x7e]* HTTP/1\.1\Z")
 _HANDED_OFF = frozenset({"transfer-encoding", "expect", "upgrade"})
+_SPECIAL = _HANDED_OFF | {"content-length", "host", "connection"}
 
 
 class WireError(Exception):
@@ -58,44 +64,39 @@ class FastRequest:
 
 def parse_request_head(head: bytes) -> FastRequest | None:
     """``head`` ends with the blank line; None: not for the fast path."""
-    if _BAD_REQUEST_BYTE.search(head):
+    match = _REQUEST_HEAD.match(head)
+    if match is None:
         return None
-    lines = head.decode("ascii").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or parts[2] != "HTTP/1.1" or not _TOKEN.match(parts[0]):
-        return None
-    method, target = parts[0], parts[1]
-    if not target.startswith("/") or "#" in target:
-        return None
-    headers: CIMultiDict[str] = CIMultiDict()
+    method, target = match.group(1).decode("ascii"), match.group(2).decode("ascii")
+    items: list[tuple[str, str]] = []
     length: int | None = None
     close = False
     hosts = 0
-    for line in lines[1:-2]:
-        name, sep, value = line.partition(":")
-        if not sep or not _TOKEN.match(name):
-            return None
+    block = match.group(3)
+    for line in block.decode("ascii").split("\r\n")[:-1] if block else ():
+        name, _, value = line.partition(":")
         value = value.strip(" \t")
         lower = name.lower()
-        if lower in _HANDED_OFF:
-            return None
-        if lower == "content-length":
-            if length is not None or not _DIGITS.match(value):
+        if lower in _SPECIAL:
+            if lower in _HANDED_OFF:
                 return None
-            length = int(value)
-        elif lower == "host":
-            hosts += 1
-        elif lower == "connection":
-            tokens = {t.strip().lower() for t in value.split(",")}
-            if "upgrade" in tokens:
-                return None
-            close = close or "close" in tokens
-        headers.add(name, value)
-    if hosts > 1 or (lines[-1] or lines[-2]):
+            if lower == "content-length":
+                if length is not None or not _DIGITS.match(value):
+                    return None
+                length = int(value)
+            elif lower == "host":
+                hosts += 1
+            else:  # connection
+                tokens = {t.strip().lower() for t in value.split(",")}
+                if "upgrade" in tokens:
+                    return None
+                close = close or "close" in tokens
+        items.append((name, value))
+    if hosts > 1:
         return None
     raw_path = target.split("?", 1)[0]
     path = raw_path if "%" not in raw_path else _decoded(raw_path)
-    return FastRequest(method, target, path, headers, length, close)
+    return FastRequest(method, target, path, CIMultiDict(items), length, close)
 
 
 def plausible_start(partial: bytes) -> bool:
@@ -130,21 +131,18 @@ class UpstreamHead:
 
 def parse_response_head(head: bytes, method: str) -> UpstreamHead:
     """``head`` ends with the blank line (raises WireError)."""
-    if _BAD_RESPONSE_BYTE.search(head):
-        raise WireError("control bytes in the response head")
-    lines = head.decode("latin-1").split("\r\n")[:-2]
-    status_line = _STATUS_LINE.match(lines[0])
-    if status_line is None:
-        raise WireError(f"bad status line {lines[0][:80]!r}")
-    minor, status, reason = int(status_line.group(1)), int(status_line.group(2)), status_line.group(3) or ""
-    headers: CIMultiDict[str] = CIMultiDict()
+    match = _RESPONSE_HEAD.match(head)
+    if match is None:
+        raise WireError(f"bad response head {head[:80]!r}")
+    minor, status = int(match.group(1)), int(match.group(2))
+    reason = (match.group(3) or b"").decode("latin-1")
+    items: list[tuple[str, str]] = []
     lengths: set[str] = set()
     encodings: list[str] = []
-    connection: set[str] = set()
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not _TOKEN.match(name):
-            raise WireError(f"bad header line {line[:80]!r}")
+    close = False
+    block = match.group(4)
+    for line in block.decode("latin-1").split("\r\n")[:-1] if block else ():
+        name, _, value = line.partition(":")
         value = value.strip(" \t")
         lower = name.lower()
         if lower == "content-length":
@@ -152,9 +150,10 @@ def parse_response_head(head: bytes, method: str) -> UpstreamHead:
         elif lower == "transfer-encoding":
             encodings.extend(v.strip().lower() for v in value.split(",") if v.strip())
         elif lower == "connection":
-            connection.update(v.strip().lower() for v in value.split(","))
-        headers.add(name, value)
-    keep_alive = minor == 1 and "close" not in connection
+            close = close or "close" in (v.strip().lower() for v in value.split(","))
+        items.append((name, value))
+    headers = CIMultiDict(items)
+    keep_alive = minor == 1 and not close
     if method == "HEAD" or status in (204, 304) or status < 200:
         return UpstreamHead(status, reason, headers, 0, False, keep_alive)
     if encodings:
