@@ -24,8 +24,8 @@ Untrusted peers cannot spoof their address with these headers.
 
 from __future__ import annotations
 
-import hashlib
 import functools
+import hashlib
 import ipaddress
 import re
 from collections.abc import Iterable, Mapping, Sequence

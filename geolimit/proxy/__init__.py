@@ -39,6 +39,15 @@ Behaviour:
   upstreams and options after validating the file (a bad file is logged and the
   running configuration stays).
 
+* **Fast path** (``fast_path = true``, the default, with ``http://`` upstreams):
+  the listener is served by asyncio Protocols (geolimit/proxy/fast_server.py)
+  with a keep-alive pool of upstream connections, and aiohttp stays out of the
+  data path for the common requests (HTTP/1.1, origin-form, printable ASCII
+  heads, no body or a ``Content-Length`` body of at most 64 KiB). Any other
+  request hands its connection to aiohttp's server, which serves it as above;
+  the answers are the same either way. A request head (and such a small body)
+  must arrive within 30 s of its first byte, else 408 and the connection closes.
+
 Limitations: no WebSocket/``Upgrade`` pass-through, no HTTP/2, no TLS on the
 listener (terminate TLS in front), and header bytes that are not UTF-8 lose
 their undecodable bytes on the way upstream (aiohttp's client encodes header

@@ -177,15 +177,17 @@ class FastForwarder:
         close = client.closing(req)
         first = self._head(status, head.reason, out, close)
         if empty or length == 0 or (length is not None and length <= SMALL_BODY):
-            collector = _Collector(asyncio.get_running_loop())
-            conn.consume(collector)
-            try:
-                body = await collector.done
-            except asyncio.CancelledError:
-                conn.abort()
-                raise
-            except (asyncio.TimeoutError, WireError, OSError) as exc:
-                return client.send_local(self._failed(up, exc, req, timeout), req)
+            body = conn.take_body()  # usually there with the head
+            if body is None:
+                collector = _Collector(asyncio.get_running_loop())
+                conn.consume(collector)
+                try:
+                    body = await collector.done
+                except asyncio.CancelledError:
+                    conn.abort()
+                    raise
+                except (asyncio.TimeoutError, WireError, OSError) as exc:
+                    return client.send_local(self._failed(up, exc, req, timeout), req)
             client.write(first + (b"" if empty else body), close)
             return status
         client.write(first, False)

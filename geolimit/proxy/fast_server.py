@@ -57,7 +57,8 @@ class FastProtocol(asyncio.Protocol):
         self._buf = b""
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._head_timer = False  # the timer runs for a partial request, not an idle connection
+        self._deadline = 0.0  # 0: none (a request is being served)
+        self._head_timer = False  # the deadline is a partial request's, not an idle connection's
         self._paused = False
         self._close_after = False
         self._loop = server.loop
@@ -84,7 +85,7 @@ class FastProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
-        self._cancel_timer()
+        self._drop_timer()
         task, self._task = self._task, None
         if task is not None and not task.done():
             task.cancel()
@@ -128,6 +129,7 @@ class FastProtocol(asyncio.Protocol):
         self._buf = buf[need:]
         self._cancel_timer()
         self._close_after = req.close
+        self.server.served += 1
         self._task = self._loop.create_task(self.server.forwarder.serve(self, req, body))
         self._task.add_done_callback(self._served)
 
@@ -179,19 +181,29 @@ class FastProtocol(asyncio.Protocol):
     # -- timers and hand-off ------------------------------------------------------------------------
 
     def _idle(self) -> None:
-        self._cancel_timer()
         self._head_timer = False
-        self._timer = self._loop.call_later(KEEPALIVE_TIMEOUT, self._timed_out)
+        self._arm(KEEPALIVE_TIMEOUT)
 
     def _partial(self) -> None:
         if not self._head_timer:
-            self._cancel_timer()
             self._head_timer = True
-            self._timer = self._loop.call_later(HEAD_TIMEOUT, self._timed_out)
+            self._arm(HEAD_TIMEOUT)
+
+    def _arm(self, timeout: float) -> None:
+        """A deadline ``timeout`` from now (one timer per connection, re-armed only when it fires)."""
+        self._deadline = self._loop.time() + timeout
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._deadline, self._timed_out)
+        elif self._timer.when() > self._deadline:
+            self._timer.cancel()
+            self._timer = self._loop.call_at(self._deadline, self._timed_out)
 
     def _timed_out(self) -> None:
         self._timer = None
-        if self.transport is None or self._task is not None:
+        if not self._deadline or self.transport is None or self._task is not None:
+            return
+        if self._loop.time() < self._deadline:
+            self._timer = self._loop.call_at(self._deadline, self._timed_out)
             return
         if self._head_timer:
             local = local_problem(408, "Request Timeout", f"the request did not arrive within {HEAD_TIMEOUT:g}s",
@@ -202,6 +214,11 @@ class FastProtocol(asyncio.Protocol):
         self.transport.close()
 
     def _cancel_timer(self) -> None:
+        self._deadline = 0.0
+        self._head_timer = False
+
+    def _drop_timer(self) -> None:
+        self._cancel_timer()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -211,8 +228,9 @@ class FastProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
-        self._cancel_timer()
+        self._drop_timer()
         self.server.connections.discard(self)
+        self.server.handed_off += 1
         self.transport = None
         handler = self.server.fallback()
         transport.set_protocol(handler)
@@ -245,6 +263,8 @@ class FastServer:
         self.loop = asyncio.get_running_loop()
         self.connections: set[FastProtocol] = set()
         self.closing = False
+        self.served = 0  # requests parsed here
+        self.handed_off = 0  # connections given to aiohttp
         self._servers: list[asyncio.AbstractServer] = []
 
     async def serve(self, sockets: list[socket.socket], backlog: int = 1024) -> None:

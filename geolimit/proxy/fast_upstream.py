@@ -51,6 +51,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._timeout = 30.0
         self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0  # of the read in progress; 0: none (the timer, if any, finds nothing to do)
         self._buf = b""
         self._method = "GET"
         self._head_waiter: asyncio.Future[UpstreamHead] | None = None
@@ -73,9 +74,8 @@ class UpstreamConnection(asyncio.Protocol):
         if self._head_waiter is None and self._head is None:
             self._fail(WireError("data from the upstream while no request was waiting"))
             return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = self._loop.call_later(self._timeout, self._timed_out)
+        if self._deadline:
+            self._deadline = self._loop.time() + self._timeout  # the timer looks at it when it fires
         if self._head is not None:
             self._body(data)
             return
@@ -109,6 +109,9 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._timer is not None and self._ended is not False:
+            self._timer.cancel()
+            self._timer = None
         if self._head is not None and self._ended is False and self._head.length is None and not self._head.chunked:
             self._end(None)  # the body was delimited by the close
             return
@@ -134,7 +137,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.received = False
         waiter: asyncio.Future[UpstreamHead] = self._loop.create_future()
         self._head_waiter = waiter
-        self._timer = self._loop.call_later(timeout, self._timed_out)
+        self._arm(timeout)
         self.transport.write(data)
         return waiter
 
@@ -149,6 +152,15 @@ class UpstreamConnection(asyncio.Protocol):
             self.resume()
         if self._ended is not False:
             self._settle()
+
+    def take_body(self) -> bytes | None:
+        """The whole body if it has arrived already (the connection goes back to the pool), else None."""
+        if self._ended is not None or self._consumer is not None:
+            return None
+        body = b"".join(self._pending) if len(self._pending) != 1 else self._pending[0]
+        self._pending = []
+        self._settle()
+        return body
 
     def pause(self) -> None:
         if self.transport is not None and not self.closed:
@@ -260,14 +272,28 @@ class UpstreamConnection(asyncio.Protocol):
         else:
             self.abort()
 
+    def _arm(self, timeout: float) -> None:
+        """A read deadline ``timeout`` from now (one timer per connection, re-armed only when it fires)."""
+        self._deadline = self._loop.time() + timeout
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._deadline, self._timed_out)
+        elif self._timer.when() > self._deadline:
+            self._timer.cancel()
+            self._timer = self._loop.call_at(self._deadline, self._timed_out)
+
     def _timed_out(self) -> None:
         self._timer = None
+        if not self._deadline:
+            return
+        now = self._loop.time()
+        if now < self._deadline:
+            self._timer = self._loop.call_at(self._deadline, self._timed_out)
+            return
+        self._deadline = 0.0
         self._fail(asyncio.TimeoutError())
 
     def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline = 0.0
 
 
 class UpstreamPool:

@@ -232,4 +232,4 @@ def http_date() -> str:
 def serialize_head(first_line: str, headers: CIMultiDict[str] | list[tuple[str, str]]) -> bytes:
     """A message head: the first line, the headers, the blank line (Latin-1)."""
     items = headers.items() if isinstance(headers, CIMultiDict) else headers
-    return (first_line + "\r\n" + "".join(f"{k}: {v}\r\n" for k, v in items) + "\r\n").encode("latin-1")
+    return (first_line + "\r\n" + "".join([f"{k}: {v}\r\n" for k, v in items]) + "\r\n").encode("latin-1")
