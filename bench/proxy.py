@@ -1,11 +1,15 @@
 """Overhead of `geolimit proxy` against calling the upstream directly, measured in the same run.
 
-    python bench/proxy.py [--rounds 9] [--seq 600] [--seconds 1.5] [--concurrency 32] [--workers N] [--json PATH]
+    python bench/proxy.py [--rounds 9] [--seq 600] [--seconds 1.5] [--concurrency 32] [--workers N]
+                          [--no-limits] [--no-fast-path] [--json PATH]
 
 Four processes on loopback: an embedded redis-server, an aiohttp upstream app, the
 proxy (``python -m geolimit.cli proxy``, library mode: one rule with a huge limit
 on every path, so each proxied request makes a real Redis decision; ``--workers N``
-runs N proxy processes on one port under a supervisor) and one load generator
+runs N proxy processes on one port under a supervisor; ``--no-limits``: a route
+without limits, so no decision is made, which measures the forwarding alone;
+``--no-fast-path``: ``[proxy] fast_path = false``, aiohttp's server and client in the
+data path) and one load generator
 process (aiohttp client). In every round the generator measures, in
 alternating order, the direct path and the proxied path:
 
@@ -161,8 +165,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_proxy(upstream: str, redis_url: str, workdir: Path,
-                workers: int) -> tuple[subprocess.Popen[str], str, str, list[int]]:
+def start_proxy(upstream: str, redis_url: str, workdir: Path, workers: int, limits: bool = True,
+                fast_path: bool = True) -> tuple[subprocess.Popen[str], str, str, list[int]]:
     """The proxy process, its URL, its admin URL and the pids doing the work (its workers, if any)."""
     config = workdir / "proxy.toml"
     ports = (free_port(), free_port()) if workers > 1 else (0, 0)  # workers share fixed ports
@@ -173,6 +177,7 @@ admin_listen = "127.0.0.1:{ports[1]}"
 upstreams = ["{upstream}"]
 region = "bench"
 redis_url = "{redis_url}"
+fast_path = {str(fast_path).lower()}
 
 [[rule]]
 name = "bench"
@@ -180,7 +185,7 @@ limit = "1000000000/10s"
 
 [[route]]
 path = "/*"
-limits = [ {{ rule = "bench", key = "ip" }} ]
+limits = {'[ { rule = "bench", key = "ip" } ]' if limits else "[]"}
 
 [log]
 level = "INFO"
@@ -236,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
         upstream_url = f"http://127.0.0.1:{int(upstream.proc.stdout.readline())}"
         with tempfile.TemporaryDirectory() as tmp:
             proxy_proc, proxy_url, admin, proxy_pids = start_proxy(upstream_url, redis_server.url, Path(tmp),
-                                                                   args.workers)
+                                                                   args.workers, not args.no_limits,
+                                                                   not args.no_fast_path)
             targets = {"direct": upstream_url + "/api/items", "proxy": proxy_url + "/api/items"}
             for url in targets.values():  # warm up connections, code paths and Redis scripts
                 loadgen.ask({"url": url, "mode": "seq", "n": 300})
@@ -304,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     print(f"\ngeolimit proxy overhead: {args.rounds} interleaved rounds, medians over rounds "
           f"(python {platform.python_version()}, aiohttp {aiohttp.__version__}, proxy on {loop}, "
-          f"{os.cpu_count()} CPUs, {args.workers} proxy worker{'s' if args.workers > 1 else ''})")
+          f"{os.cpu_count()} CPUs, {args.workers} proxy worker{'s' if args.workers > 1 else ''}"
+          f"{', no limits' if args.no_limits else ''}{', fast path off' if args.no_fast_path else ''})")
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     print(f"Redis decisions made by the proxy during the rounds: {decided:.0f} "
@@ -333,6 +340,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=1.5, help="seconds of concurrent load per path per round")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--workers", type=int, default=1, help="proxy processes sharing the port (geolimit proxy --workers)")
+    parser.add_argument("--no-limits", action="store_true", help="a route without limits (no decisions)")
+    parser.add_argument("--no-fast-path", action="store_true", help="fast_path = false (aiohttp in the data path)")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     if args.role == "upstream":
