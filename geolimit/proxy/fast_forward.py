@@ -18,13 +18,12 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 from aiohttp.http import SERVER_SOFTWARE
-from multidict import CIMultiDict
 
 from geolimit.http.keys import RequestInfo
 from geolimit.proxy.decide import Local, decide, local_problem
 from geolimit.proxy.fast_upstream import UpstreamConnection, UpstreamPool
 from geolimit.proxy.fast_wire import FastRequest, UpstreamHead, WireError, http_date, serialize_head
-from geolimit.proxy.forwarding import request_headers, response_headers
+from geolimit.proxy.forwarding import HOP_BY_HOP, request_headers
 from geolimit.proxy.handler import _IDEMPOTENT, SMALL_BODY, Forwarder
 from geolimit.proxy.state import State, Upstream
 
@@ -92,10 +91,53 @@ class _Relay:
         self.upstream.resume()
 
 
+def _client_head(head: UpstreamHead, extra: list[tuple[str, str]], empty: bool, close: bool, server: str) -> bytes:
+    """The response head for the client: as :func:`~geolimit.proxy.forwarding.response_headers` and aiohttp's
+    ``StreamResponse`` make it (end-to-end headers, ``extra`` replacing same-named ones, the framing, and
+    ``Content-Type``, ``Date`` and ``Server`` when the upstream sent none)."""
+    status, length, named = head.status, head.length, head.named
+    replaced = {name.lower() for name, _ in extra}
+    drop_length = status in (204, 304) or not empty  # a HEAD answer keeps the upstream's length
+    has_date = has_server = has_type = False
+    lines = [f"HTTP/1.1 {status} {head.reason or _phrase(status)}\r\n"]
+    for name, lower, value in head.items:
+        if lower in HOP_BY_HOP or lower.startswith("proxy-") or lower in named or lower in replaced or (
+                drop_length and lower == "content-length"):
+            continue
+        if lower == "date":
+            has_date = True
+        elif lower == "server":
+            has_server = True
+        elif lower == "content-type":
+            has_type = True
+        lines.append(f"{name}: {value}\r\n")
+    lines += [f"{name}: {value}\r\n" for name, value in extra]
+    if not empty:
+        lines.append("Transfer-Encoding: chunked\r\n" if length is None else f"Content-Length: {length}\r\n")
+        if length != 0 and not has_type:
+            lines.append("Content-Type: application/octet-stream\r\n")
+    if not has_date:
+        lines.append(f"Date: {http_date()}\r\n")
+    if not has_server:
+        lines.append(f"Server: {server}\r\n")
+    if close:
+        lines.append("Connection: close\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1")
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
+
+
 class FastForwarder:
     """Serves the requests of the fast path; shares state and round robin with the aiohttp :class:`Forwarder`."""
 
-    def __init__(self, forwarder: Forwarder, pool: UpstreamPool) -> None:
+    def __init__(self, forwarder: Forwarder, pool: UpstreamPool, server_software: str = SERVER_SOFTWARE) -> None:
+        self.server_software = server_software
         self.forwarder = forwarder
         self.metrics = forwarder.metrics
         self.pool = pool
@@ -161,21 +203,10 @@ class FastForwarder:
     async def _relay(self, client: FastProtocol, conn: UpstreamConnection, head: UpstreamHead, req: FastRequest,
                      extra: list[tuple[str, str]], up: Upstream, timeout: float) -> int:
         status = head.status
-        out = response_headers(head.headers, extra)
         empty = req.method == "HEAD" or status in (204, 304)
-        if status in (204, 304):
-            out.popall("Content-Length", None)
         length = head.length
-        if not empty:
-            if length is None:
-                out.popall("Content-Length", None)
-                out["Transfer-Encoding"] = "chunked"
-            else:
-                out["Content-Length"] = str(length)
-            if length != 0:
-                out.setdefault("Content-Type", "application/octet-stream")
         close = client.closing(req)
-        first = self._head(status, head.reason, out, close)
+        first = _client_head(head, extra, empty, close, self.server_software)
         if empty or length == 0 or (length is not None and length <= SMALL_BODY):
             body = conn.take_body()  # usually there with the head
             if body is None:
@@ -209,20 +240,6 @@ class FastForwarder:
             client.relay = None
         client.write(b"", close)
         return status
-
-    @staticmethod
-    def _head(status: int, reason: str, headers: CIMultiDict[str], close: bool) -> bytes:
-        if "Date" not in headers:
-            headers["Date"] = http_date()
-        headers.setdefault("Server", SERVER_SOFTWARE)
-        if close and "Connection" not in headers:
-            headers["Connection"] = "close"
-        if not reason:
-            try:
-                reason = HTTPStatus(status).phrase
-            except ValueError:
-                reason = ""
-        return serialize_head(f"HTTP/1.1 {status} {reason}", headers)
 
     def _count_unreachable(self, up: Upstream, exc: BaseException, retrying: bool) -> None:
         timed_out = isinstance(exc, asyncio.TimeoutError)

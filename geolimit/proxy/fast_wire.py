@@ -123,7 +123,8 @@ class UpstreamHead:
 
     status: int
     reason: str
-    headers: CIMultiDict[str]
+    items: list[tuple[str, str, str]]  # (name, lower-case name, value)
+    named: frozenset[str]  # the header names that Connection lists (and its other tokens)
     length: int | None  # Content-Length, when that frames the body
     chunked: bool
     keep_alive: bool  # the connection can carry another request after this body
@@ -136,10 +137,10 @@ def parse_response_head(head: bytes, method: str) -> UpstreamHead:
         raise WireError(f"bad response head {head[:80]!r}")
     minor, status = int(match.group(1)), int(match.group(2))
     reason = (match.group(3) or b"").decode("latin-1")
-    items: list[tuple[str, str]] = []
+    items: list[tuple[str, str, str]] = []
     lengths: set[str] = set()
     encodings: list[str] = []
-    close = False
+    named: set[str] = set()
     block = match.group(4)
     for line in block.decode("latin-1").split("\r\n")[:-1] if block else ():
         name, _, value = line.partition(":")
@@ -150,20 +151,20 @@ def parse_response_head(head: bytes, method: str) -> UpstreamHead:
         elif lower == "transfer-encoding":
             encodings.extend(v.strip().lower() for v in value.split(",") if v.strip())
         elif lower == "connection":
-            close = close or "close" in (v.strip().lower() for v in value.split(","))
-        items.append((name, value))
-    headers = CIMultiDict(items)
-    keep_alive = minor == 1 and not close
+            named.update(v.strip().lower() for v in value.split(",") if v.strip())
+        items.append((name, lower, value))
+    keep_alive = minor == 1 and "close" not in named
+    frozen = frozenset(named)
     if method == "HEAD" or status in (204, 304) or status < 200:
-        return UpstreamHead(status, reason, headers, 0, False, keep_alive)
+        return UpstreamHead(status, reason, items, frozen, 0, False, keep_alive)
     if encodings:
         chunked = encodings[-1] == "chunked"
-        return UpstreamHead(status, reason, headers, None, chunked, keep_alive and chunked)
+        return UpstreamHead(status, reason, items, frozen, None, chunked, keep_alive and chunked)
     if lengths:
         if len(lengths) != 1 or not _DIGITS.match(next(iter(lengths))):
             raise WireError("bad or conflicting Content-Length")
-        return UpstreamHead(status, reason, headers, int(next(iter(lengths))), False, keep_alive)
-    return UpstreamHead(status, reason, headers, None, False, False)  # until the upstream closes
+        return UpstreamHead(status, reason, items, frozen, int(next(iter(lengths))), False, keep_alive)
+    return UpstreamHead(status, reason, items, frozen, None, False, False)  # until the upstream closes
 
 
 class ChunkedDecoder:
