@@ -22,8 +22,8 @@ from aiohttp.http import SERVER_SOFTWARE
 from geolimit.http.keys import RequestInfo
 from geolimit.proxy.decide import Local, decide, local_problem
 from geolimit.proxy.fast_upstream import UpstreamConnection, UpstreamPool
-from geolimit.proxy.fast_wire import FastRequest, UpstreamHead, WireError, http_date, serialize_head
-from geolimit.proxy.forwarding import HOP_BY_HOP, request_headers
+from geolimit.proxy.fast_wire import FastRequest, UpstreamHead, WireError, http_date
+from geolimit.proxy.forwarding import DROPPED, HOP_BY_HOP, rebuilt_headers
 from geolimit.proxy.handler import _IDEMPOTENT, SMALL_BODY, Forwarder
 from geolimit.proxy.state import State, Upstream
 
@@ -126,6 +126,28 @@ def _client_head(head: UpstreamHead, extra: list[tuple[str, str]], empty: bool, 
     return "".join(lines).encode("latin-1")
 
 
+def _upstream_head(req: FastRequest, peer: str | None, state: State) -> tuple[str, str | None, str]:
+    """The request head for the upstream around its Host line: as
+    :func:`~geolimit.proxy.forwarding.request_headers` makes it (hop-by-hop and rebuilt headers dropped,
+    ``Content-Length`` when known, else 0 for methods that may carry a body, as aiohttp's client sends)."""
+    named = req.named
+    lines = [f"{req.method} {req.target} HTTP/1.1\r\n"]
+    for name, lower, value in req.items:
+        if lower in DROPPED or lower.startswith("proxy-") or lower in named:
+            continue
+        lines.append(f"{name}: {value}\r\n")
+    client_host = req.headers.get("host")
+    tail = []
+    if req.content_length is not None:
+        tail.append(f"Content-Length: {req.content_length}\r\n")
+    elif req.method not in _BODILESS_METHODS:
+        tail.append("Content-Length: 0\r\n")
+    tail += [f"{name}: {value}\r\n" for name, value in
+             rebuilt_headers(client_host, req.values, peer=peer, scheme="http", trusted=state.trusted)]
+    tail.append("\r\n")
+    return "".join(lines), client_host, "".join(tail)
+
+
 def _phrase(status: int) -> str:
     try:
         return HTTPStatus(status).phrase
@@ -161,16 +183,12 @@ class FastForwarder:
     async def _forward(self, state: State, client: FastProtocol, req: FastRequest, body: bytes,
                        extra: list[tuple[str, str]]) -> int:
         config = state.config
-        headers = request_headers(req.headers, peer=client.peer, scheme="http", trusted=state.trusted,
-                                  upstream_host=None, content_length=req.content_length)
-        if req.content_length is None and req.method not in _BODILESS_METHODS:
-            headers["Content-Length"] = "0"
+        prefix, client_host, suffix = _upstream_head(req, client.peer, state)
+        preserve = config.preserve_host and client_host
         candidates = self.forwarder.candidates(state, req.method, body)
         idempotent = req.method in _IDEMPOTENT
         for attempt, up in enumerate(candidates):
-            if not config.preserve_host or "Host" not in headers:
-                headers["Host"] = up.host
-            data = serialize_head(f"{req.method} {req.target} HTTP/1.1", headers) + body
+            data = (prefix + f"Host: {client_host if preserve else up.host}\r\n" + suffix).encode("latin-1") + body
             fresh = False
             while True:
                 try:

@@ -57,9 +57,15 @@ class FastRequest:
     method: str
     target: str  # origin-form, raw
     path: str  # decoded, as aiohttp's request.path
-    headers: CIMultiDict[str]
+    items: list[tuple[str, str, str]]  # (name, lower-case name, value)
+    headers: dict[str, str]  # lower-case name -> its first value (what the limit keys read)
+    named: frozenset[str]  # the tokens of Connection (header names to drop, and close / keep-alive)
     content_length: int | None
     close: bool  # the client sent Connection: close
+
+    def values(self, lower: str) -> list[str]:
+        """Every value of a header (``lower``: its name in lower case)."""
+        return [value for _, name, value in self.items if name == lower]
 
 
 def parse_request_head(head: bytes) -> FastRequest | None:
@@ -68,9 +74,10 @@ def parse_request_head(head: bytes) -> FastRequest | None:
     if match is None:
         return None
     method, target = match.group(1).decode("ascii"), match.group(2).decode("ascii")
-    items: list[tuple[str, str]] = []
+    items: list[tuple[str, str, str]] = []
+    headers: dict[str, str] = {}
     length: int | None = None
-    close = False
+    named: set[str] = set()
     hosts = 0
     block = match.group(3)
     for line in block.decode("ascii").split("\r\n")[:-1] if block else ():
@@ -87,16 +94,17 @@ def parse_request_head(head: bytes) -> FastRequest | None:
             elif lower == "host":
                 hosts += 1
             else:  # connection
-                tokens = {t.strip().lower() for t in value.split(",")}
-                if "upgrade" in tokens:
+                named.update(t.strip().lower() for t in value.split(","))
+                if "upgrade" in named:
                     return None
-                close = close or "close" in tokens
-        items.append((name, value))
+        items.append((name, lower, value))
+        headers.setdefault(lower, value)
     if hosts > 1:
         return None
     raw_path = target.split("?", 1)[0]
     path = raw_path if "%" not in raw_path else _decoded(raw_path)
-    return FastRequest(method, target, path, CIMultiDict(items), length, close)
+    named.discard("")
+    return FastRequest(method, target, path, items, headers, frozenset(named), length, "close" in named)
 
 
 def plausible_start(partial: bytes) -> bool:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import functools
 import ipaddress
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from geolimit.http.keys import Network
 
-__all__ = ["HOP_BY_HOP", "forwarded_element", "request_headers", "response_headers"]
+__all__ = ["DROPPED", "HOP_BY_HOP", "forwarded_element", "rebuilt_headers", "request_headers", "response_headers"]
 
 _Headers = CIMultiDict[str] | CIMultiDictProxy[str]
 
@@ -37,6 +37,8 @@ _REBUILT = frozenset({
     "host", "content-length", "expect", "forwarded", "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host",
 })
 _DROPPED = HOP_BY_HOP | _REBUILT
+#: Request headers never passed on as they came (the names in lower case; also ``proxy-*``).
+DROPPED = _DROPPED
 _TOKEN_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 
@@ -92,11 +94,6 @@ def _peer_trusted(peer: str | None, trusted: tuple[Network, ...]) -> bool:
     return any(addr in net for net in trusted)
 
 
-def _joined(headers: _Headers, name: str) -> str:
-    """Every value of ``name`` as one comma-separated list (duplicated headers merged)."""
-    return ", ".join(v.strip() for v in headers.getall(name, ()) if v.strip())
-
-
 def request_headers(
     headers: _Headers,
     *,
@@ -124,19 +121,39 @@ def request_headers(
         del out["Host"]
     if content_length is not None:
         out["Content-Length"] = str(content_length)
+    for name, value in rebuilt_headers(client_host, lambda n: headers.getall(n, []), peer=peer, scheme=scheme,
+                                       trusted=trusted):
+        out[name] = value
+    return out
+
+
+def rebuilt_headers(client_host: str | None, values: Callable[[str], list[str]], *, peer: str | None, scheme: str,
+                    trusted: tuple[Network, ...]) -> list[tuple[str, str]]:
+    """``X-Forwarded-For``, ``-Proto``, ``-Host`` and ``Forwarded`` for this hop (the module docstring).
+
+    ``values(name)`` gives every value of a request header (``name`` in lower case).
+    """
     trusted_peer = _peer_trusted(peer, trusted)
     node = peer or "unknown"
-    xff = _joined(headers, "X-Forwarded-For") if trusted_peer else ""
-    out["X-Forwarded-For"] = f"{xff}, {node}" if xff else node
-    proto = (headers.get("X-Forwarded-Proto", "").strip() if trusted_peer else "") or scheme
-    out["X-Forwarded-Proto"] = proto
-    host = (headers.get("X-Forwarded-Host", "").strip() if trusted_peer else "") or client_host
+    xff = _joined_values(values("x-forwarded-for")) if trusted_peer else ""
+    out = [("X-Forwarded-For", f"{xff}, {node}" if xff else node)]
+    proto = (_first(values("x-forwarded-proto")) if trusted_peer else "") or scheme
+    out.append(("X-Forwarded-Proto", proto))
+    host = (_first(values("x-forwarded-host")) if trusted_peer else "") or client_host
     if host:
-        out["X-Forwarded-Host"] = host
-    forwarded = _joined(headers, "Forwarded") if trusted_peer else ""
+        out.append(("X-Forwarded-Host", host))
+    forwarded = _joined_values(values("forwarded")) if trusted_peer else ""
     element = forwarded_element(peer, scheme, client_host)
-    out["Forwarded"] = f"{forwarded}, {element}" if forwarded else element
+    out.append(("Forwarded", f"{forwarded}, {element}" if forwarded else element))
     return out
+
+
+def _first(values: list[str]) -> str:
+    return values[0].strip() if values else ""
+
+
+def _joined_values(values: list[str]) -> str:
+    return ", ".join(v.strip() for v in values if v.strip())
 
 
 def response_headers(headers: _Headers, extra: Iterable[tuple[str, str]] = ()) -> CIMultiDict[str]:
