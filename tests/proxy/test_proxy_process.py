@@ -103,6 +103,48 @@ async def test_streaming_100_mb_both_ways_keeps_the_proxy_memory_flat(
     assert seen.header("Content-Length") == str(total), "the length is passed on, not re-chunked"
 
 
+async def test_a_100_mb_download_on_the_fast_path_keeps_the_proxy_memory_flat(
+    tmp_path: Path, upstream: Upstream, redis_url: str, redis_client: redis.Redis, running: list[ProxyProcess],
+) -> None:
+    data = proxy_config([upstream.url], redis_url=redis_url, rules=[{"name": "api", "limit": "1000/10s"}],
+                        routes=[{"path": "/download/*", "limits": [{"rule": "api", "key": "ip"}]}])
+    data["log"] = {"level": "INFO"}
+    proc, url, _ = await launch(running, tmp_path / "proxy.toml", data)
+    total = 100 * MIB
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60), auto_decompress=False) as session:
+
+        async def download(size: int) -> tuple[int, str, int]:
+            digest = hashlib.sha256()
+            received = 0
+            async with session.get(url + f"/download/{size}") as resp:
+                async for chunk in resp.content.iter_chunked(256 * 1024):
+                    received += len(chunk)
+                    digest.update(chunk)
+                    await asyncio.sleep(0)  # a reader a little slower than the proxy
+                return resp.status, digest.hexdigest(), received
+
+        assert (await download(8 * MIB))[0] == 200
+        baseline = peak = rss_bytes(proc.pid)
+        done = asyncio.Event()
+
+        async def sample() -> None:
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, rss_bytes(proc.pid))
+                await asyncio.sleep(0.01)
+
+        sampler = asyncio.ensure_future(sample())
+        try:
+            status, digest, received = await download(total)
+        finally:
+            done.set()
+            await sampler
+    assert (status, received) == (200, total)
+    assert digest == expected_sha256(total)
+    growth = peak - baseline
+    assert growth < 30 * MIB, f"proxy RSS grew by {growth / MIB:.1f} MiB while streaming"
+
+
 async def test_sigterm_lets_in_flight_requests_finish_then_exits_0(
     tmp_path: Path, upstream: Upstream, redis_url: str, redis_client: redis.Redis, running: list[ProxyProcess],
 ) -> None:
