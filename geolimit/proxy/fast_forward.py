@@ -22,7 +22,7 @@ from aiohttp.http import SERVER_SOFTWARE
 from geolimit.http.keys import RequestInfo
 from geolimit.proxy.decide import Local, decide, local_problem
 from geolimit.proxy.fast_upstream import UpstreamConnection, UpstreamPool
-from geolimit.proxy.fast_wire import FastRequest, UpstreamHead, WireError, http_date
+from geolimit.proxy.fast_wire import FastRequest, UpstreamHead, _WireError, http_date
 from geolimit.proxy.forwarding import DROPPED, HOP_BY_HOP, rebuilt_headers
 from geolimit.proxy.handler import _IDEMPOTENT, SMALL_BODY, Forwarder
 from geolimit.proxy.state import State, Upstream
@@ -207,9 +207,9 @@ class FastForwarder:
                 except asyncio.CancelledError:
                     conn.abort()
                     raise
-                except (asyncio.TimeoutError, WireError, OSError) as exc:
+                except (asyncio.TimeoutError, _WireError, OSError) as exc:
                     stale = (conn.reused and not conn.received and idempotent
-                             and not isinstance(exc, (asyncio.TimeoutError, WireError)))
+                             and not isinstance(exc, (asyncio.TimeoutError, _WireError)))
                     if stale and not fresh:
                         fresh = True
                         continue
@@ -235,7 +235,7 @@ class FastForwarder:
                 except asyncio.CancelledError:
                     conn.abort()
                     raise
-                except (asyncio.TimeoutError, WireError, OSError) as exc:
+                except (asyncio.TimeoutError, _WireError, OSError) as exc:
                     return client.send_local(self._failed(up, exc, req, timeout), req)
             client.write(first + (b"" if empty else body), close)
             return status
@@ -248,7 +248,7 @@ class FastForwarder:
         except asyncio.CancelledError:
             conn.abort()
             raise
-        except (asyncio.TimeoutError, WireError, OSError) as exc:
+        except (asyncio.TimeoutError, _WireError, OSError) as exc:
             self.metrics.upstream_error(up.base, "body_aborted")
             log.warning("upstream %s: response body of %s %s broke off (%s: %.200s); aborting the client's "
                         "connection", up.base, req.method, req.path, type(exc).__name__, exc)

@@ -17,17 +17,17 @@ from typing import Protocol, cast
 
 from yarl import URL
 
-from geolimit.proxy.fast_wire import ChunkedDecoder, UpstreamHead, WireError, parse_response_head
+from geolimit.proxy.fast_wire import ChunkedDecoder, UpstreamHead, _WireError, parse_response_head
 from geolimit.proxy.state import Upstream
 
-__all__ = ["BodyConsumer", "UpstreamClosed", "UpstreamConnection", "UpstreamPool"]
+__all__ = ["BodyConsumer", "UpstreamConnection", "UpstreamPool"]
 
 MAX_HEAD = 64 * 1024
 IDLE_SECONDS = 15.0  # a pooled connection idle longer is closed (aiohttp's keepalive_timeout)
 MAX_IDLE = 256  # pooled connections per upstream
 
 
-class UpstreamClosed(ConnectionError):
+class _UpstreamClosed(ConnectionError):
     """The upstream closed the connection before the response was complete."""
 
 
@@ -72,7 +72,7 @@ class UpstreamConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.received = True
         if self._head_waiter is None and self._head is None:
-            self._fail(WireError("data from the upstream while no request was waiting"))
+            self._fail(_WireError("data from the upstream while no request was waiting"))
             return
         if self._deadline:
             self._deadline = self._loop.time() + self._timeout  # the timer looks at it when it fires
@@ -84,19 +84,19 @@ class UpstreamConnection(asyncio.Protocol):
             end = buf.find(b"\r\n\r\n")
             if end < 0:
                 if len(buf) > MAX_HEAD:
-                    self._fail(WireError("response head too large"))
+                    self._fail(_WireError("response head too large"))
                     return
                 self._buf = buf
                 return
             try:
                 head = parse_response_head(buf[:end + 4], self._method)
-            except WireError as exc:
+            except _WireError as exc:
                 self._fail(exc)
                 return
             buf = buf[end + 4:]
             if head.status < 200:
                 if head.status == 101:
-                    self._fail(WireError("101 Switching Protocols without an Upgrade request"))
+                    self._fail(_WireError("101 Switching Protocols without an Upgrade request"))
                     return
                 continue  # an interim response (100, 103): the final one follows
             self._start_body(head)
@@ -116,7 +116,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._end(None)  # the body was delimited by the close
             return
         if self._head_waiter is not None or (self._head is not None and self._ended is False):
-            self._fail(exc or UpstreamClosed("the upstream closed the connection"))
+            self._fail(exc or _UpstreamClosed("the upstream closed the connection"))
         self.pool.forget(self)
 
     # -- the exchange --------------------------------------------------------------------
@@ -195,14 +195,14 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _body(self, data: bytes) -> None:
         if self._ended is not False:
-            self._fail(WireError("data after the end of the response"))
+            self._fail(_WireError("data after the end of the response"))
             return
         head = self._head
         assert head is not None
         if self._chunks is not None:
             try:
                 pieces = self._chunks.feed(data)
-            except WireError as exc:
+            except _WireError as exc:
                 self._fail(exc)
                 return
             for piece in pieces:

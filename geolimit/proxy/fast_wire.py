@@ -24,7 +24,7 @@ from email.utils import formatdate
 
 from multidict import CIMultiDict
 
-__all__ = ["ChunkError", "ChunkedDecoder", "FastRequest", "UpstreamHead", "WireError", "http_date",
+__all__ = ["ChunkedDecoder", "FastRequest", "UpstreamHead", "http_date",
            "parse_request_head", "parse_response_head", "plausible_start", "serialize_head"]
 
 _BAD_REQUEST_BYTE = re.compile(rb"[^\t\r\n\x20-\x7e]|\r(?!\n)|(?<!\r)\n")
@@ -42,11 +42,11 @@ _HANDED_OFF = frozenset({"transfer-encoding", "expect", "upgrade"})
 _SPECIAL = _HANDED_OFF | {"content-length", "host", "connection"}
 
 
-class WireError(Exception):
+class _WireError(Exception):
     """An upstream's message cannot be framed."""
 
 
-class ChunkError(WireError):
+class _ChunkError(_WireError):
     """Bad chunked encoding."""
 
 
@@ -139,10 +139,10 @@ class UpstreamHead:
 
 
 def parse_response_head(head: bytes, method: str) -> UpstreamHead:
-    """``head`` ends with the blank line (raises WireError)."""
+    """``head`` ends with the blank line (raises _WireError)."""
     match = _RESPONSE_HEAD.match(head)
     if match is None:
-        raise WireError(f"bad response head {head[:80]!r}")
+        raise _WireError(f"bad response head {head[:80]!r}")
     minor, status = int(match.group(1)), int(match.group(2))
     reason = (match.group(3) or b"").decode("latin-1")
     items: list[tuple[str, str, str]] = []
@@ -170,7 +170,7 @@ def parse_response_head(head: bytes, method: str) -> UpstreamHead:
         return UpstreamHead(status, reason, items, frozen, None, chunked, keep_alive and chunked)
     if lengths:
         if len(lengths) != 1 or not _DIGITS.match(next(iter(lengths))):
-            raise WireError("bad or conflicting Content-Length")
+            raise _WireError("bad or conflicting Content-Length")
         return UpstreamHead(status, reason, items, frozen, int(next(iter(lengths))), False, keep_alive)
     return UpstreamHead(status, reason, items, frozen, None, False, False)  # until the upstream closes
 
@@ -204,25 +204,25 @@ class ChunkedDecoder:
             end = buf.find(b"\r\n", pos)
             if end < 0:
                 if len(buf) - pos > self.MAX_LINE:
-                    raise ChunkError("chunk line too long")
+                    raise _ChunkError("chunk line too long")
                 break
             line = buf[pos:end]
             pos = end + 2
             if self._state == 2:
                 if line:
-                    raise ChunkError("no CRLF after chunk data")
+                    raise _ChunkError("no CRLF after chunk data")
                 self._state = 0
             elif self._state == 0:
                 size = line.split(b";", 1)[0].strip(b" \t")
                 if not size or len(size) > 15 or size.strip(b"0123456789abcdefABCDEF"):
-                    raise ChunkError(f"bad chunk size {line[:40]!r}")
+                    raise _ChunkError(f"bad chunk size {line[:40]!r}")
                 self._left = int(size, 16)
                 self._state = 1 if self._left else 3
             elif not line:  # state 3: the end of the trailers (dropped, as aiohttp does)
                 self.done = True
         self._buf = buf[pos:]
         if self.done and self._buf:
-            raise ChunkError("data after the last chunk")
+            raise _ChunkError("data after the last chunk")
         return out
 
 
