@@ -86,3 +86,57 @@ async def test_rights_are_exact_when_transfers_are_near_2_53(rs: Regions) -> Non
     assert 3 < held <= LOGIN.limit
     b = rs["b"].app()
     assert sum(b.hit("login", "victim").allowed for _ in range(LOGIN.limit)) == held - 3  # 3 admitted before
+
+
+async def test_an_advert_version_at_the_top_of_the_range_does_not_stop_the_regions_pushes(rs: Regions) -> None:
+    # a says b's advert of victim is at version 2**53 - 1 (a valid value): b must not
+    # write version 2**53, which its peers refuse with every key pushed beside it.
+    status, _ = await _post(rs, _push([(b"login:victim", [b"a:b", b"%d:0:0:0" % MAX_VALUE])]))
+    assert status == 200
+    b = rs["b"].app()
+    for _ in range(3):
+        b.hit("login", "victim")
+        b.hit("login", "other")
+        await rs.step()
+    assert _failures(rs, "b") == {"a": (0, None), "c": (0, None)}
+    for peer in ("a", "c"):
+        assert rs[peer].client().hget(_key(rs, peer, b"other"), "a:b") is not None
+    version = int(rs["b"].client().hget(_key(rs, "b", b"victim"), "a:b").split(b":")[0])
+    assert version <= MAX_VALUE
+
+
+async def test_gifts_stop_at_the_largest_exact_integer_and_pushes_go_on(rs: Regions) -> None:
+    # a and b traded nearly 2**53 units of victim back and forth (a long-lived key with a
+    # large limit gets there): every region holds both transfers raised by the same amount.
+    # b's next gift to a would take t:b:a past what its peers accept.
+    _raise_history(rs, b"victim", [(b"t:a:b:100", b"t:b:a:100")], MAX_VALUE - 5)
+    apps = {n: rs[n].app() for n in NAMES}
+    admitted = 3
+    for _ in range(4):
+        admitted += sum(apps["a"].hit("login", "victim").allowed for _ in range(40))
+        apps["b"].hit("login", "other")
+        await rs.step()
+    admitted += sum(apps[n].hit("login", "victim").allowed for n in NAMES for _ in range(100))
+    assert admitted <= LOGIN.limit
+    assert _failures(rs, "b") == {"a": (0, None), "c": (0, None)}
+    for region in NAMES:
+        values = rs[region].client().hgetall(_key(rs, region, b"victim"))
+        assert int(values[b"t:b:a:100"]) <= MAX_VALUE
+    for peer in ("a", "c"):
+        assert rs[peer].client().hget(_key(rs, peer, b"other"), "a:b") is not None
+
+
+async def test_huge_requested_costs_do_not_stop_the_regions_pushes(rs: Regions) -> None:
+    # Units asked for count denied requests too; a client sending the largest cost a
+    # request may have (2**46, e.g. through a proxy route whose cost is a header) a few
+    # times in one bucket must not give b an advert whose demand its peers refuse.
+    b = rs["b"].app()
+    for _ in range(200):
+        assert not b.hit("login", "victim", cost=2**46).allowed
+    b.hit("login", "other")
+    await rs.step(2)
+    assert _failures(rs, "b") == {"a": (0, None), "c": (0, None)}
+    for peer in ("a", "c"):
+        advert = rs[peer].client().hget(_key(rs, peer, b"victim"), "a:b")
+        assert advert is not None
+        assert all(0 <= int(x) <= MAX_VALUE for x in advert.split(b":"))

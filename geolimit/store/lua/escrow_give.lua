@@ -2,7 +2,10 @@
 -- write its advert (own use and demand, if they changed) and raise its own
 -- transfers t:<me>:<receiver>:<limit> by the planned amounts, each capped by the
 -- spare (rights less own use) as Redis holds it now: apps may have admitted since
--- the plan was made.
+-- the plan was made. No replicated value goes past 2^53 - 1, which peers refuse
+-- (escrow_fields.MAX_VALUE) with every key pushed beside it: a transfer at the top
+-- gives no more, an advert whose version is at the top is left as it is, and the
+-- advertised demand is capped.
 -- KEYS: registry, data key.
 -- ARGV: now_us|'', me, limit, share, steps per bucket, N, res_us, ttl_ms, then
 --   receiver, amount pairs.
@@ -10,6 +13,7 @@
 -- {1 if anything changed else 0 + 1, given, rights, then the key's replicated
 -- fields t:... and a:... as name, value pairs}: status 1 unchanged, 2 changed.
 local function fmt(x) return string.format('%d', x) end
+local TOP = 9007199254740991  -- 2^53 - 1
 local now = clock(ARGV[1])
 local reg, key, me = KEYS[1], KEYS[2], ARGV[2]
 if not call('HGET', reg, 'xo') then return {0} end
@@ -24,8 +28,12 @@ local changed, given = false, 0
 for i = 9, #ARGV - 1, 2 do
   local amount = tonumber(ARGV[i + 1])
   if amount > spare then amount = spare end
+  local field = 't:' .. me .. ':' .. ARGV[i] .. ':' .. fmt(limit)
+  local held = call('HGET', key, field)
+  local room = TOP - (tonumber(held) or 0)
+  if amount > room then amount = room end
   if amount > 0 then
-    call('HINCRBY', key, 't:' .. me .. ':' .. ARGV[i] .. ':' .. fmt(limit), fmt(amount))
+    call('HINCRBY', key, field, fmt(amount))
     st.net[limit] = (st.net[limit] or 0) - amount
     spare = spare - amount
     given = given + amount
@@ -33,9 +41,10 @@ for i = 9, #ARGV - 1, 2 do
   end
 end
 local demand = escrow_demand(st.q, now, res, window)
+if demand > TOP then demand = TOP end  -- denied requests count too: any cost, any number of them
 local b = bucket(now, res)
 local ad = st.ads[me]
-if not ad or ad[2] ~= used or ad[3] ~= demand or (ad[4] ~= b and (used > 0 or demand > 0 or ad[2] > 0 or ad[3] > 0)) then
+if (not ad or ad[1] < TOP) and (not ad or ad[2] ~= used or ad[3] ~= demand or (ad[4] ~= b and (used > 0 or demand > 0 or ad[2] > 0 or ad[3] > 0))) then
   local version = ad and ad[1] + 1 or 1
   call('HSET', key, 'a:' .. me, fmt(version) .. ':' .. fmt(used) .. ':' .. fmt(demand) .. ':' .. fmt(b))
   changed = true
