@@ -15,10 +15,10 @@ from geolimit import ManualClock, Rule
 from geolimit.core.escrow import rights
 from geolimit.replication import escrow_wire
 from geolimit.replication.auth import Signer
-from geolimit.replication.escrow_fields import MAX_VALUE, state_of
+from geolimit.replication.escrow_fields import MAX_FIELDS_PER_KEY, MAX_VALUE, state_of
 from geolimit.replication.escrow_wire import EscrowMessage
 from geolimit.store.embedded import EmbeddedRedis
-from tests.support.regions import Regions
+from tests.support.regions import Regions, dump_all
 
 Factory = Callable[..., EmbeddedRedis]
 LOGIN = Rule("login", 100, 60, escrow=True)
@@ -140,3 +140,35 @@ async def test_huge_requested_costs_do_not_stop_the_regions_pushes(rs: Regions) 
         advert = rs[peer].client().hget(_key(rs, peer, b"victim"), "a:b")
         assert advert is not None
         assert all(0 <= int(x) <= MAX_VALUE for x in advert.split(b":"))
+
+
+async def test_a_key_may_not_grow_past_the_fields_one_message_can_carry(rs: Regions) -> None:
+    client = rs["b"].client()
+    key = _key(rs, "b", b"victim")
+    held = sum(1 for f in client.hkeys(key) if f[:2] in (b"t:", b"a:"))
+    room = MAX_FIELDS_PER_KEY - held
+    first = [x for i in range(room) for x in (b"t:a:c:%d" % (i + 1), b"1")]
+    status, _ = await _post(rs, _push([(b"login:victim", first)]))
+    assert status == 200  # exactly full
+    # A second message, itself within every per-message bound, would take the key past
+    # what one message may carry: b could then never push the key again. Nothing is
+    # written, not the other shard's key either, nor the replay guard.
+    def state() -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
+        # A DUMP of a hash this large follows its table's order, which a mere read may
+        # change while Redis rehashes it: compare its fields, and every other key's DUMP.
+        dumps = dump_all(client)
+        del dumps[key]
+        return dumps, client.hgetall(key)
+
+    before = state()
+    more = [b"t:a:c:%d" % (room + 1), b"1"]
+    other = [b"t:a:b:100", b"1"]
+    status, body = await _post(rs, _push([(b"login:elsewhere", other), (b"login:victim", more)]))
+    assert status == 400, body
+    assert b"more than 1024" in body
+    assert state() == before
+    # b's own pushes of the full key are still accepted by its peers.
+    rs["b"].app().hit("login", "victim")
+    await rs.step(2)
+    assert _failures(rs, "b") == {"a": (0, None), "c": (0, None)}
+    assert rs["c"].client().hlen(_key(rs, "c", b"victim")) >= MAX_FIELDS_PER_KEY

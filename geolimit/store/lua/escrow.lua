@@ -37,12 +37,13 @@ end
 -- position, the requested-units field and the expiry mark.
 local function escrow_load(key, me)
   local flat = call('HGETALL', key)
-  local st = {net = {}, ads = {}, steps = {}, q = nil, e = nil}
+  local st = {net = {}, ads = {}, steps = {}, q = nil, e = nil, shared = 0}  -- shared: t: and a: fields
   local flows = {}  -- flows[limit][peer] = received from peer - given to peer (each exact)
   local match, sub = string.match, string.sub
   for i = 1, #flat, 2 do
     local f, v = flat[i], flat[i + 1]
     local c = sub(f, 1, 1)
+    if c == 't' or c == 'a' then st.shared = st.shared + 1 end
     if c == 't' then
       local giver, to, lim = match(f, '^t:([^:]+):([^:]+):(%d+)$')
       local n = tonumber(v)
