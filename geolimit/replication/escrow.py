@@ -296,6 +296,8 @@ class EscrowReplicator:
         by_shard: dict[int, list[tuple[bytes, Rule, list[tuple[bytes, bytes]]]]] = {}
         if len(message.keys) > MAX_KEYS:
             raise ProtocolError(f"escrow: more than {MAX_KEYS} keys")
+        if len({suffix for suffix, _ in message.keys}) < len(message.keys):
+            raise ProtocolError("escrow: a key is given twice")
         for suffix, fields in message.keys:
             name, sep, subject = suffix.partition(b":")
             if not sep or len(subject) > MAX_SUBJECT_BYTES:
@@ -306,6 +308,8 @@ class EscrowReplicator:
                 continue
             by_shard.setdefault(self.layout.shard_of(subject), []).append(
                 (self.layout.data_key(rule.name, subject), rule, pairs))
+        if by_shard:
+            await self.store.check(by_shard)  # a key grown past what a message carries: refused
         if admit is not None:
             await admit()
         if not by_shard:

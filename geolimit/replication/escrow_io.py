@@ -2,7 +2,8 @@
 
 * :meth:`EscrowStore.drain` takes the escrow keys that changed (``escrow_drain.lua``);
 * :meth:`EscrowStore.give` writes an advert and this region's gifts (``escrow_give.lua``);
-* :meth:`EscrowStore.merge` merges a peer's vetted fields (``escrow_merge.lua``);
+* :meth:`EscrowStore.check` and :meth:`EscrowStore.merge` check, then merge, a peer's vetted
+  fields (``escrow_merge.lua``);
 * :meth:`EscrowStore.page` reads a page of escrow keys for a peer's pull (SCAN);
 * :meth:`EscrowStore.holds` and :meth:`EscrowStore.release` handle the per-shard hold
   after a new or wiped Redis (registry fields ``xs``: since when, ``xo``: intact);
@@ -17,7 +18,7 @@ from typing import Any
 
 from geolimit.core.keys import KeyLayout, glob_escape
 from geolimit.core.rule import Rule
-from geolimit.errors import StorageError
+from geolimit.errors import ProtocolError, StorageError
 from geolimit.limiter_base import ESCROW_FIELD
 from geolimit.replication.escrow_fields import replicated
 from geolimit.store.async_store import AsyncStore
@@ -34,6 +35,16 @@ _MERGE = load_script("escrow_merge")
 DRAIN_PER_SHARD = 500
 #: Keys a SCAN step looks at for a pull page.
 SCAN_COUNT = 500
+
+
+def _raise_refusal(reply: Any) -> None:
+    """A script's error reply: ``escrow_merge.lua``'s refusals as ProtocolError, others as StorageError."""
+    if isinstance(reply, BaseException):
+        text = str(reply)
+        refused = text.find("ResponseError: escrow: ")
+        if refused >= 0 or text.startswith("escrow: "):
+            raise ProtocolError(text[refused + len("ResponseError: "):] if refused >= 0 else text)
+        raise reply if isinstance(reply, StorageError) else StorageError(describe_error(reply))
 
 
 def _flat(pairs: Sequence[Any]) -> dict[bytes, bytes]:
@@ -141,25 +152,36 @@ class EscrowStore:
             out.append(Given(key, reply[0] == 2, int(reply[1]), int(reply[2]), _flat(reply[3:])))
         return out
 
+    async def check(self, by_shard: Mapping[int, list[tuple[bytes, Rule, list[tuple[bytes, bytes]]]]]) -> None:
+        """What needs Redis state (how many fields each key would hold), before anything is
+        written: :class:`ProtocolError` naming the reason."""
+        for reply in await self.store.run_many(_MERGE, self._merge_calls(by_shard, None, b"0")):
+            _raise_refusal(reply)
+
     async def merge(
         self, by_shard: Mapping[int, list[tuple[bytes, Rule, list[tuple[bytes, bytes]]]]], now_us: int | None,
     ) -> int:
-        """Merge vetted fields, one script call per shard; the number of fields that changed."""
+        """Merge vetted and checked fields, one script call per shard; the number of fields that changed."""
+        changed = 0
+        for reply in await self.store.run_many(_MERGE, self._merge_calls(by_shard, now_us, b"1")):
+            _raise_refusal(reply)  # only a change since the checks can refuse now
+            changed += sum(int(x) for x in reply)
+        return changed
+
+    def _merge_calls(
+        self, by_shard: Mapping[int, list[tuple[bytes, Rule, list[tuple[bytes, bytes]]]]], now_us: int | None,
+        apply: bytes,
+    ) -> list[list[bytes]]:
         calls = []
         for shard, items in by_shard.items():
             keys = [self.layout.registry_key(shard), *(key for key, _, _ in items)]
-            args = [b"" if now_us is None else b"%d" % now_us, self.region.encode(), self.nonce]
+            args = [b"" if now_us is None else b"%d" % now_us, self.region.encode(), self.nonce, apply]
             for _, rule, pairs in items:
                 args += [b"%d" % rule.limit, b"%d" % rule.ttl_ms, b"%d" % len(pairs)]
                 for name, value in pairs:
                     args += [name, value]
             calls.append([b"%d" % len(keys), *keys, *args])
-        changed = 0
-        for reply in await self.store.run_many(_MERGE, calls):
-            if isinstance(reply, BaseException):
-                raise reply
-            changed += sum(int(x) for x in reply)
-        return changed
+        return calls
 
     async def page(
         self, rules: Sequence[Rule], cursor: tuple[int, int, int],

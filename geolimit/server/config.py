@@ -153,6 +153,10 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
         raise ConfigError(f"{src}: missing key rule: define at least one [[rule]] table (name, limit)")
     rules = parse_rules(data.get("rule", []), src)
     opts = _gossip_options(gossip, src, base)
+    for i, peer in enumerate(peers):
+        if "tls" in opts and not peer.url.lower().startswith("https://"):
+            raise ConfigError(f"{src}: gossip.peers[{i}].url: [gossip.tls] is set but {peer.url!r} is plain http: "
+                              "its messages would go in plaintext; use https://")
     opts.update(_region_options(region, src, base, listen))
     opts.update(parse_log(logs, src))
     if "rls_listen" in region or "rls_config" in region:

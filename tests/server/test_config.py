@@ -311,6 +311,7 @@ def test_a_bad_api_token_file_refuses_without_showing_it(tmp_path: Path, secret:
 def test_tls_files_are_loaded_at_config_time(tmp_path: Path, secret: bytes) -> None:
     cert = make_cert(tmp_path)
     data = valid()
+    data["gossip"]["peers"][0]["url"] = "https://127.0.0.1:7401"
     data["gossip"]["tls"] = {"cert_file": cert.cert.name, "key_file": cert.key.name, "ca_file": cert.cert.name}
     tls = load(tmp_path, data).tls
     assert tls is not None
@@ -324,6 +325,21 @@ def test_tls_files_are_loaded_at_config_time(tmp_path: Path, secret: bytes) -> N
     lonely = copy.deepcopy(data)
     del lonely["gossip"]["tls"]["key_file"]
     assert "key_file" in refused(tmp_path, lonely)
+
+
+@pytest.mark.parametrize("tls", [{"cert": True}, {"ca": True}], ids=["serving", "client-only"])
+def test_tls_with_a_plain_http_peer_is_refused(tmp_path: Path, secret: bytes, tls: dict[str, bool]) -> None:
+    """With [gossip.tls], a peer at an http:// URL would get every message in plaintext,
+    without a word in the log: refused, naming the peer's url."""
+    cert = make_cert(tmp_path)
+    data = valid()
+    data["gossip"]["tls"] = ({"cert_file": cert.cert.name, "key_file": cert.key.name, "ca_file": cert.cert.name}
+                             if "cert" in tls else {"ca_file": cert.cert.name})
+    message = refused(tmp_path, data)
+    assert "gossip.peers[0].url" in message
+    assert "https://" in message
+    data["gossip"]["peers"][0]["url"] = "https://127.0.0.1:7401"
+    assert load(tmp_path, data).tls is not None
 
 
 def test_rule_policies_are_parsed(tmp_path: Path) -> None:

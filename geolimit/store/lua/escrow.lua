@@ -15,23 +15,43 @@ local function floor_div(a, b)
   return (a - r) / b, r
 end
 
+-- The sum of integers below 2^53 in magnitude whose sum is too, exactly: adding
+-- positives while the partial sum is not positive and negatives while it is keeps
+-- every partial sum below 2^53, whatever the order (transfers are cumulative and
+-- may each be near 2^53 while a region's net is small).
+local function exact_sum(terms)
+  local pos, neg = {}, {}
+  for _, x in pairs(terms) do
+    if x > 0 then pos[#pos + 1] = x elseif x < 0 then neg[#neg + 1] = x end
+  end
+  local s, i, j = 0, 1, 1
+  while i <= #pos or j <= #neg do
+    if j > #neg or (s <= 0 and i <= #pos) then s, i = s + pos[i], i + 1 else s, j = s + neg[j], j + 1 end
+  end
+  return s
+end
+
 -- The key's escrow fields, seen from region me: net[limit] = units received
--- minus units given under that limit, adverts by region, own steps by ring
+-- minus units given under that limit (summed per peer first: received from q
+-- less given to q, then exact_sum), adverts by region, own steps by ring
 -- position, the requested-units field and the expiry mark.
 local function escrow_load(key, me)
   local flat = call('HGETALL', key)
-  local st = {net = {}, ads = {}, steps = {}, q = nil, e = nil}
+  local st = {net = {}, ads = {}, steps = {}, q = nil, e = nil, shared = 0}  -- shared: t: and a: fields
+  local flows = {}  -- flows[limit][peer] = received from peer - given to peer (each exact)
   local match, sub = string.match, string.sub
   for i = 1, #flat, 2 do
     local f, v = flat[i], flat[i + 1]
     local c = sub(f, 1, 1)
+    if c == 't' or c == 'a' then st.shared = st.shared + 1 end
     if c == 't' then
       local giver, to, lim = match(f, '^t:([^:]+):([^:]+):(%d+)$')
       local n = tonumber(v)
       lim = tonumber(lim)
-      if giver and n and lim and lim > 0 and giver ~= to then
-        if to == me then st.net[lim] = (st.net[lim] or 0) + n
-        elseif giver == me then st.net[lim] = (st.net[lim] or 0) - n end
+      if giver and n and lim and lim > 0 and giver ~= to and (to == me or giver == me) then
+        local by = flows[lim] or {}
+        flows[lim] = by
+        if to == me then by[giver] = (by[giver] or 0) + n else by[to] = (by[to] or 0) - n end
       end
     elseif c == 'a' then
       local region = match(f, '^a:(.+)$')
@@ -50,6 +70,7 @@ local function escrow_load(key, me)
       st.e = tonumber(v)
     end
   end
+  for lim, by in pairs(flows) do st.net[lim] = exact_sum(by) end
   return st
 end
 

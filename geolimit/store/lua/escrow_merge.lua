@@ -2,24 +2,34 @@
 -- transfers t:<giver>:<receiver>:<limit> by max, adverts a:<region> by the newer
 -- (version, used, demand, bucket). geolimit/replication/escrow_fields.py has vetted
 -- every name and value; they are checked again here, before anything is written,
--- and a bad one fails the whole call.
+-- and a bad one fails the whole call. So is a key that would hold more replicated
+-- fields than one message may carry (MAX_FIELDS: escrow_fields.MAX_FIELDS_PER_KEY):
+-- its pushes would be refused by every peer, and every decision reads them all.
 -- KEYS: registry, then the data keys.
--- ARGV: now_us|'', me, nonce, then per data key: limit, ttl_ms, nfields, then
---   nfields name, value pairs.
--- Returns per data key the number of fields that changed.
+-- ARGV: now_us|'', me, nonce, apply ('0': check only, nothing is written; '1':
+--   check, then write), then per data key: limit, ttl_ms, nfields, then nfields
+--   name, value pairs.
+-- Returns per data key the number of fields that changed (0 when checking only).
 local function fmt(x) return string.format('%d', x) end
-local match = string.match
+local MAX_FIELDS = 1024
+local match, sub = string.match, string.sub
 local now = clock(ARGV[1])
-local reg, me, nonce = KEYS[1], ARGV[2], ARGV[3]
+local reg, me, nonce, apply = KEYS[1], ARGV[2], ARGV[3], ARGV[4] ~= '0'
 local function digits(v, max_len)
   return #v <= max_len and match(v, '^%d+$') ~= nil and tonumber(v) < 9007199254740992
 end
 -- check everything first
-local a = 4
+local a = 5
 for j = 2, #KEYS do
   local nf = tonumber(ARGV[a + 2])
+  local held = 0
+  for _, f in ipairs(call('HKEYS', KEYS[j])) do
+    local c = sub(f, 1, 2)
+    if c == 't:' or c == 'a:' then held = held + 1 end
+  end
   for i = a + 3, a + 2 + 2 * nf, 2 do
     local f, v = ARGV[i], ARGV[i + 1]
+    if call('HEXISTS', KEYS[j], f) == 0 then held = held + 1 end
     if match(f, '^t:[^:]+:[^:]+:%d+$') then
       if not digits(v, 16) then return redis.error_reply('escrow: bad transfer value') end
     elseif match(f, '^a:[^:]+$') then
@@ -31,11 +41,18 @@ for j = 2, #KEYS do
       return redis.error_reply('escrow: bad field name')
     end
   end
+  if held > MAX_FIELDS then
+    return redis.error_reply('escrow: a key would hold more than ' .. MAX_FIELDS .. ' transfers and adverts')
+  end
   a = a + 3 + 2 * nf
 end
-local track = nil
 local out = {}
-a = 4
+if not apply then
+  for j = 2, #KEYS do out[#out + 1] = 0 end
+  return out
+end
+local track = nil
+a = 5
 for j = 2, #KEYS do
   local key = KEYS[j]
   local limit, ttl, nf = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
@@ -44,7 +61,7 @@ for j = 2, #KEYS do
     local f, v = ARGV[i], ARGV[i + 1]
     local old = call('HGET', key, f)
     local newer
-    if string.sub(f, 1, 1) == 't' then
+    if sub(f, 1, 1) == 't' then
       newer = not old or tonumber(v) > tonumber(old)
     else
       newer = not old
@@ -67,7 +84,7 @@ for j = 2, #KEYS do
   if changed > 0 then
     escrow_expiry(key, escrow_load(key, me), limit, ttl)
     if track == nil then track = tracking(reg, me, nonce, now) end
-    if track then call('HSET', string.sub(reg, 1, -2) .. 'e', key, '1') end
+    if track then call('HSET', sub(reg, 1, -2) .. 'e', key, '1') end
   end
   out[#out + 1] = changed
   a = a + 3 + 2 * nf
