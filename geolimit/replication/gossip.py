@@ -79,8 +79,10 @@ class GossipEngine(Receiver):
         self.stats: dict[str, float] = dict.fromkeys(
             ("rounds", "round_seconds", "drained", "unknown_rule", "merged", "increased", "bad_values", "relayed",
              "dropped_old", "dropped_future", "own_ahead", "ae_runs", "ae_failed", "ae_cells", "ae_keys_repaired",
-             "wipes", "refused", "refused_by_peers", "pruned", "parked", "unparked", "slots_reclaimed"), 0.0
+             "wipes", "refused", "refused_by_peers", "pruned", "parked", "unparked", "slots_reclaimed",
+             "shards_failed"), 0.0
         )
+        self.failed_shards: set[int] = set()  # shards whose Redis calls failed in the last drain
         self._reclaim_next = 0  # index into the owned shards of the next page to reclaim slots in
         self._reclaim_at = 0.0  # when (engine clock) the next page is due
         self.repair = AntiEntropyDriver(self)
@@ -123,10 +125,22 @@ class GossipEngine(Receiver):
             for peer in self.peers.values():
                 peer.ae_needed = True
             raise
+        self._note_failed_shards(drained.failed)
         self._check_incarnations(drained.own_slots)
         for peer in self.peers.values():
             peer.pending = drained.pending.get(peer.name, {})
             peer.oldest_us = drained.oldest_us.get(peer.name)
+
+    def _note_failed_shards(self, failed: dict[int, str]) -> None:
+        """Shards whose Redis (a Cluster node) failed this round: the others' gossip goes on."""
+        self.stats["shards_failed"] = len(failed)
+        if set(failed) != self.failed_shards:
+            if failed:
+                log.warning("region %s: %d shards unreachable (gossip goes on for the others): %s",
+                            self.region, len(failed), next(iter(failed.values())))
+            else:
+                log.info("region %s: every shard reachable again", self.region)
+            self.failed_shards = set(failed)
 
     async def _prune(self) -> None:
         """While a peer is unreachable, drop its outbox entries of keys that expired.
@@ -156,10 +170,15 @@ class GossipEngine(Receiver):
         self.stats["slots_reclaimed"] += await self.store.reclaim(shards)
 
     async def _resettle(self) -> None:
-        """Return in-flight batches whose outcome could not be recorded (Redis was down)."""
+        """Return in-flight batches whose outcome could not be recorded (Redis, or a node
+        of it, was down). A slot that still fails stays unsettled for the next round
+        (returning a batch twice is harmless), and the round goes on."""
         for peer in self.peers.values():
             for slot in sorted(peer.unsettled):
-                await self.store.settle(peer.name, slot, self.store.owned, delivered=False)
+                try:
+                    await self.store.settle(peer.name, slot, self.store.owned, delivered=False)
+                except StorageError:
+                    continue
                 peer.unsettled.discard(slot)
 
     def _start_sends(self, now: float) -> None:
@@ -332,7 +351,13 @@ class GossipEngine(Receiver):
                 # a slow one gets smaller messages (see PeerState.resize).
                 limit = self.settings.probe_cells if peer.failures else peer.message_limit(self.settings)
                 async with peer.packing:
-                    packed = await self._collect(peer, slot, limit)
+                    try:
+                        packed = await self._collect(peer, slot, limit)
+                    except BaseException:
+                        # Some shards' keys may already be in flight in this slot (a later
+                        # shard's call failed): a later round returns them to the outbox.
+                        peer.unsettled.add(slot)
+                        raise
                 peer.flight_keys[slot] = packed.keys
                 peer.last_attempt = sent_at = self.clock()
                 try:

@@ -28,7 +28,7 @@ from geolimit.replication.blob_format import pack_blob, unpack_blob
 from geolimit.replication.digest import live_range, partition_of
 from geolimit.replication.parking import ParkedCells
 from geolimit.replication.wire import Blob, Cell6
-from geolimit.store.async_store import AsyncStore, checked_replies
+from geolimit.store.async_store import AsyncStore, checked_replies, surviving
 from geolimit.store.redis_store import describe_error
 from geolimit.store.scripts import load_script
 
@@ -67,6 +67,8 @@ class Drained:
     taken: int = 0  # changed keys fanned out by this drain
     pending: dict[str, dict[int, int]] = field(default_factory=dict)  # peer -> shard -> outbox keys
     oldest_us: dict[str, int | None] = field(default_factory=dict)  # peer -> oldest queued change
+    #: Shards whose call failed (a Redis Cluster node down): drained next round.
+    failed: dict[int, str] = field(default_factory=dict)  # shard -> the error
 
 
 @dataclass(slots=True)
@@ -178,7 +180,10 @@ class ReplicationStore:
                 b"%d" % self.limits.drain_keys, *fresh]
         calls = [[b"3", *self.layout.aux_keys(s), *head] for s in self.owned]
         out = Drained(pending={p: {} for p in self.peers}, oldest_us=dict.fromkeys(self.peers))
-        for shard, reply in zip(self.owned, checked_replies(await self.store.run_many(_DRAIN, calls)), strict=True):
+        for shard, reply in zip(self.owned, surviving(await self.store.run_many(_DRAIN, calls), self.owned, out.failed),
+                                strict=True):
+            if reply is None:
+                continue
             out.own_slots[shard] = reply[0].decode()
             out.changed_left += int(reply[1])
             out.taken += int(reply[2])
@@ -239,7 +244,8 @@ class ReplicationStore:
         Returns the slot ids reclaimed."""
         idle = b"%d" % self.reclaim_idle_us()
         calls = [[b"1", self._registry(s), self.clock_arg(), idle, self.region.encode()] for s in shards]
-        return sum(int(reply[0]) for reply in checked_replies(await self.store.run_many(_RECLAIM, calls)))
+        replies = surviving(await self.store.run_many(_RECLAIM, calls), shards, {})
+        return sum(int(reply[0]) for reply in replies if reply is not None)
 
     async def prune(self, peer: str, cursors: dict[int, bytes], shards: Sequence[int], count: int = 500) -> int:
         """Drop ``peer``'s outbox entries of keys that expired, one ``HSCAN`` page per shard.
@@ -250,9 +256,10 @@ class ReplicationStore:
         name = peer.encode()
         calls = [[b"1", self._registry(s), name, cursors.get(s, b"0"), b"%d" % count] for s in shards]
         dropped = 0
-        for shard, reply in zip(shards, checked_replies(await self.store.run_many(_PRUNE, calls)), strict=True):
-            cursors[shard] = bytes(reply[0])
-            dropped += int(reply[2])
+        for shard, reply in zip(shards, surviving(await self.store.run_many(_PRUNE, calls), shards, {}), strict=True):
+            if reply is not None:
+                cursors[shard] = bytes(reply[0])
+                dropped += int(reply[2])
         return dropped
 
     async def recover(self, window: int = MAX_WINDOW) -> None:

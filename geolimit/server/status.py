@@ -56,6 +56,8 @@ def agent_status(agent: Agent, now: float) -> dict[str, Any]:
         "peers": peers,
         # Seconds added to this region's clock for buckets: the regions agree on the mean clock.
         "clock_correction": None if engine is None else round(engine.clock_correction, 4),
+        # Shards whose Redis (a Cluster node) failed in the last round: gossip goes on for the others.
+        "shards_unreachable": [] if engine is None else sorted(engine.failed_shards),
         "failures": agent.background_failures(),
         # Several workers: the figures above are those of the worker that answered (its shards'
         # outboxes); region_peers has the region's, over every worker (at most a second old).

@@ -7,6 +7,7 @@ function library's scripts where the server has functions, else EVALSHA).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import redis.asyncio
@@ -27,7 +28,7 @@ from geolimit.store.redis_store import (
 )
 from geolimit.store.scripts import LuaScript, function_library
 
-__all__ = ["AsyncClusterStore", "AsyncRedisStore", "AsyncStore", "checked_replies"]
+__all__ = ["AsyncClusterStore", "AsyncRedisStore", "AsyncStore", "checked_replies", "surviving"]
 
 
 class AsyncStore(Protocol):
@@ -51,6 +52,28 @@ def checked_replies(replies: list[Any]) -> list[Any]:
         if isinstance(reply, Exception):
             raise reply if isinstance(reply, StorageError) else StorageError(str(reply))
     return replies
+
+
+def surviving(replies: list[Any], shards: Sequence[int], failed: dict[int, str]) -> list[Any]:
+    """``run_many``'s replies of per-shard calls, with None for each call that failed.
+
+    The failed calls' shards go into ``failed`` with their error: on a Redis
+    Cluster one node down must not stop the work of the others' shards. When
+    every call failed (Redis is down, not one node), the first error is raised
+    as :func:`checked_replies` would.
+    """
+    out: list[Any] = []
+    first: BaseException | None = None
+    for shard, reply in zip(shards, replies, strict=True):
+        if isinstance(reply, Exception):
+            first = first or reply
+            failed[shard] = str(reply)[:300]
+            out.append(None)
+        else:
+            out.append(reply)
+    if first is not None and all(reply is None for reply in out):
+        raise first if isinstance(first, StorageError) else StorageError(str(first))
+    return out
 
 
 class AsyncRedisStore:
