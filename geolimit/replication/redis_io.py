@@ -11,6 +11,7 @@ for long and a decision waits at most about a millisecond behind replication.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,9 @@ _RECLAIM = load_script("reclaim")
 #: In-flight message slots per peer (drain.lua forgets slots 0..7 of removed peers).
 MAX_WINDOW = 8
 
+
+#: Blob bytes vetted in Python between two yields of the event loop (about 7 ms of work).
+VET_YIELD_BYTES = 256 * 1024
 
 @dataclass(frozen=True)
 class Limits:
@@ -317,7 +321,14 @@ class ReplicationStore:
             return [[b"1", self._registry(shard), *head, blob, *tail] for shard, blob in bodies]
 
         checks: list[Blob] = []
+        vetted_bytes = 0
         for shard, blob in blobs:
+            # Vetting is Python work (about 27 ms per MB): a big message yields the loop
+            # every VET_YIELD_BYTES, so decisions do not wait behind it.
+            vetted_bytes += len(blob)
+            if vetted_bytes >= VET_YIELD_BYTES:
+                vetted_bytes = 0
+                await asyncio.sleep(0)
             if not 0 <= shard < self.layout.shards:
                 raise ProtocolError(f"blob for shard {shard}, but this region has {self.layout.shards} shards")
             try:
