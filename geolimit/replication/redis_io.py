@@ -25,10 +25,10 @@ from geolimit.core.usage import slot_names
 from geolimit.core.window import bucket_of, read_key
 from geolimit.errors import ProtocolError, StorageError
 from geolimit.replication.blob_check import vet_blob
-from geolimit.replication.blob_format import pack_blob, unpack_blob
+from geolimit.replication.blob_format import blobs_from_cells, pack_blob, unpack_blob
 from geolimit.replication.digest import live_range, partition_of
 from geolimit.replication.parking import ParkedCells
-from geolimit.replication.wire import Blob, Cell6
+from geolimit.replication.wire import Blob
 from geolimit.store.async_store import AsyncStore, checked_replies, surviving
 from geolimit.store.redis_store import describe_error
 from geolimit.store.scripts import load_script
@@ -408,54 +408,6 @@ class ReplicationStore:
                 return list(await pipe.execute())
         except RedisError as exc:
             raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
-
-
-def blobs_from_cells(layout: KeyLayout, cells: Iterable[Cell6], max_cells: int = 2048) -> list[Blob]:
-    """Pack Python-side cells into merge blobs (anti-entropy and tests; not the hot path)."""
-    by_shard: dict[int, dict[tuple[str, bytes], list[tuple[int, str, int, int]]]] = {}
-    for rule, subject, bucket, slot, value, floor in cells:
-        keys = by_shard.setdefault(layout.shard_of(subject), {})
-        keys.setdefault((rule, subject), []).append((bucket, slot, value, floor))
-    out: list[Blob] = []
-    for shard, keys in by_shard.items():
-        blob = _BlobBuilder()
-        for (rule, subject), key_cells in keys.items():
-            suffix = rule.encode() + b":" + subject
-            for start in range(0, len(key_cells), max_cells):  # a large key spans several blobs
-                chunk = key_cells[start : start + max_cells]
-                if blob.cells and blob.cells + len(chunk) > max_cells:
-                    out.append((shard, blob.pack()))
-                    blob = _BlobBuilder()
-                blob.add(suffix, chunk)
-                if blob.cells >= max_cells:
-                    out.append((shard, blob.pack()))
-                    blob = _BlobBuilder()
-        if blob.cells:
-            out.append((shard, blob.pack()))
-    return out
-
-
-class _BlobBuilder:
-    """One blob: ``[slot ids, keys, cells per key, flat cells]`` (pack.lua's layout)."""
-
-    def __init__(self) -> None:
-        self.slots: dict[str, int] = {}
-        self.keys: list[bytes] = []
-        self.counts: list[int] = []
-        self.flat: list[int] = []
-        self.cells = 0
-
-    def add(self, suffix: bytes, cells: Sequence[tuple[int, str, int, int]]) -> None:
-        for bucket, slot, value, floor in cells:
-            self.flat += (bucket, self.slots.setdefault(slot, len(self.slots)), value, floor)
-        self.keys.append(suffix)
-        self.counts.append(len(cells))
-        self.cells += len(cells)
-
-    def pack(self) -> bytes:
-        return pack_blob(list(self.slots), self.keys, self.counts, self.flat)
-
-
 
 
 def new_incarnation(nonce: bytes) -> bytes:
