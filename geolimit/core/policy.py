@@ -10,6 +10,12 @@ budget for what its peers have probably admitted since it last heard from them:
   rose by over the time since its previous update. A peer whose counts were
   current after that rise arrived (``known_until > Rise.at_us``) did not admit
   since: it has stopped on the key and is reserved nothing;
+* **the split of freed room** (approximate mode, with prediction): a peer that
+  stopped because it was denied resumes as soon as room frees up, in every
+  region at once. A peer that rose within the last ``partition_after`` is
+  reserved at least its share of the window's count of the room this region sees
+  (plus this region's own admissions since the peers' counts were current, field
+  'u': :class:`Quanta`), at most what its last rises admit while it is stale;
 * **partition policy** (``Rule.partition``), for a peer whose counts are older
   than ``Rule.partition_after``:
 

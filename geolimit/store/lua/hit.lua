@@ -146,7 +146,7 @@ for _ = 1, tonumber(ARGV[4]) do
       local sums, futs, h, own, stale, slots, firsts, e, rises, u = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
       local reserve, closed, predicted, ends, falls = 0, false, 0, 0, nil
       local after = tonumber(ARGV[ai + 8])
-      local mark = nil  -- field 'u' to write if this request is admitted (predicting approximate rules with peers)
+      local uq, ucs = nil, nil  -- field 'u', read (predicting approximate rules with peers: rewritten on admission)
       if watch and (partition > 0 or has_remote(slots) or has_remote(rises)) then
         info = info or load_peers(reg, peers)
         local win = nil
@@ -154,11 +154,12 @@ for _ = 1, tonumber(ARGV[4]) do
           local count, total = 0, 0
           for d = 0, N - 1 do count = count + sums[d] end
           for d = 0, N do total = total + sums[d] end
-          win = {count + oldest_part(sums[N], share(firsts[N], c, res, gnow)), total}
-          if predict then mark = quanta_add(u, gnow, quantum(after), cost) end
+          uq, ucs = quanta(u)
+          win = {count + oldest_part(sums[N], share(firsts[N], c, res, gnow)), total, uq, ucs}
+          if not predict then ucs = nil end
         end
         reserve, closed, predicted, ends, falls = reservation(info, slots or {}, rises or {}, region, limit, gnow,
-                                                              predict, partition, after, win, u)
+                                                              predict, partition, after, win)
       end
       -- One rule: evaluate() below answers the same, so skip this pass.
       if closed or (nr > 1 and not admits(sums, futs, firsts, N, gnow, cost, limit, res, approx, reserve)) then
@@ -166,7 +167,7 @@ for _ = 1, tonumber(ARGV[4]) do
       end
       rs[j] = {sums = sums, futs = futs, N = N, limit = limit, res = res, approx = approx, c = c, M = M, ttl = ttl,
                h = h, own = own, stale = stale, reserve = reserve, closed = closed, firsts = firsts, e = e,
-               predicted = predicted, ends = ends, falls = falls, mark = mark}
+               predicted = predicted, ends = ends, falls = falls, uq = uq, ucs = ucs, after = after}
     end
     ai = ai + 10
   end
@@ -190,7 +191,7 @@ for _ = 1, tonumber(ARGV[4]) do
         if value == 0 then value = math.floor((gnow - c * res) * SUB / res) end
         value = value + cost * SUB
         local args = {fmt(c % M), fmt(value)}
-        if r.mark then args[3], args[4] = 'u', r.mark end
+        if r.ucs then args[3], args[4] = 'u', quanta_add(r.uq, r.ucs, gnow, quantum(r.after), cost) end
         if h == nil or c > h then
           if #r.stale > 0 then chunked('HDEL', key, r.stale, 1000) end
           local mark = expiry_mark(r.e, r.ttl)

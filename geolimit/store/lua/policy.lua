@@ -28,8 +28,7 @@ end
 
 -- Own admissions after t0 (those of the quantum t0 cuts assumed uniform over its
 -- elapsed part; geolimit.core.policy.own_since).
-local function own_since(u, now, Q, t0)
-  local q, cs = quanta(u)
+local function own_since(q, cs, now, Q, t0)
   if q == nil then return 0 end
   local total = 0
   for j = 1, #cs do
@@ -46,9 +45,8 @@ local function own_since(u, now, Q, t0)
 end
 
 -- Field 'u' after this region admits cost more at now (geolimit.core.policy.quanta_add).
-local function quanta_add(u, now, Q, cost)
+local function quanta_add(q, cs, now, Q, cost)
   local qn = (now - fmod(now, Q)) / Q
-  local q, cs = quanta(u)
   local out = {}
   if q ~= nil and q == qn then
     for j = 1, #cs do out[j] = cs[j] end
@@ -59,7 +57,7 @@ local function quanta_add(u, now, Q, cost)
       for j = 2, QUANTA do out[j] = cs[j - (qn - q)] or 0 end
     end
   end
-  for j = 1, #out do out[j] = string.format('%d', out[j]) end
+  -- counts are at most a limit (2^46): concat writes them as integers
   return string.format('%d', qn) .. ' ' .. table.concat(out, ' ')
 end
 
@@ -90,9 +88,10 @@ end
 -- Mirrors geolimit.core.policy.reserve: units to reserve for peers, and whether
 -- a partitioned peer closes the rule. slots: slot index -> count in the window;
 -- rises: slot index -> {at, units, gap} (see load_window). Approximate mode:
--- win = {weighted count without reserve, plain total of the window}, u = field 'u'
--- (the room is split by the regions' shares of the count, see reserve()).
-local function reservation(info, slots, rises, own_region, limit, now, predict, partition, after, win, u)
+-- win = {weighted count without reserve, plain total of the window, field 'u' as
+-- quanta() reads it: q, cs} (the room is split by the regions' shares of the
+-- count, see reserve()).
+local function reservation(info, slots, rises, own_region, limit, now, predict, partition, after, win)
   local owner, known, regions = info[1], info[2], info[3]
   local counts, rates, lasts = {}, {}, {}
   local base = 0
@@ -101,7 +100,7 @@ local function reservation(info, slots, rises, own_region, limit, now, predict, 
     for r, untl in pairs(known) do
       if r ~= own_region and now - untl <= after and (stalest == nil or untl < stalest) then stalest = untl end
     end
-    if stalest then base = limit - win[1] + own_since(u, now, quantum(after), stalest) end
+    if stalest then base = limit - win[1] + own_since(win[3], win[4], now, quantum(after), stalest) end
   end
   local split = base > 0 and win and win[2] > 0
   for s, v in pairs(slots) do
