@@ -190,21 +190,25 @@ for _ = 1, tonumber(ARGV[4]) do
         local value = r.own
         if value == 0 then value = math.floor((gnow - c * res) * SUB / res) end
         value = value + cost * SUB
-        local args = {fmt(c % M), fmt(value)}
-        if r.ucs then args[3], args[4] = 'u', quanta_add(r.uq, r.ucs, gnow, quantum(r.after), cost) end
+        -- field 'u' (see quanta()) when this rule records its own admissions
+        local um = r.ucs and quanta_add(r.uq, r.ucs, gnow, quantum(r.after), cost)
         if h == nil or c > h then
           if #r.stale > 0 then chunked('HDEL', key, r.stale, 1000) end
           local mark = expiry_mark(r.e, r.ttl)
-          args[#args + 1], args[#args + 2] = 'h', fmt(c)
-          if mark then
-            args[#args + 1], args[#args + 2] = 'e', fmt(mark)
-            call('HSET', key, unpack(args))
-            arm_expiry(key, mark)
+          if mark and um then
+            call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark), 'u', um)
+          elseif mark then
+            call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark))
+          elseif um then
+            call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value), 'u', um)
           else
-            call('HSET', key, unpack(args))
+            call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value))
           end
+          if mark then arm_expiry(key, mark) end
+        elseif um then
+          call('HSET', key, fmt(c % M), fmt(value), 'u', um)
         else
-          call('HSET', key, unpack(args))
+          call('HSET', key, fmt(c % M), fmt(value))
         end
         if track then call('HSETNX', chg, key, fmt(c)) end
       end
