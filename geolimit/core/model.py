@@ -12,7 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from geolimit.core.gcounter import Cell, KeyState, effective, join, parse_slot_id, slot_id
-from geolimit.core.policy import Reservation, Rise, predicted_retry, reserve
+from geolimit.core.policy import (
+    Quanta,
+    Reservation,
+    Rise,
+    predicted_retry,
+    quanta_add,
+    quantum_us,
+    reserve,
+)
 from geolimit.core.rule import Rule
 from geolimit.core.window import (
     SUBSTEPS,
@@ -21,6 +29,8 @@ from geolimit.core.window import (
     count_of,
     evaluate,
     first_offset,
+    oldest_part,
+    share,
     window_sums,
 )
 
@@ -39,6 +49,8 @@ class ModelStore:
     regions: int = 1
     #: (rule, subject) -> slot id -> the last update of that slot that raised the key (``merge.lua``'s 'p' fields)
     rises: dict[tuple[str, bytes], dict[str, Rise]] = field(default_factory=dict)
+    #: (rule, subject) -> this region's own recent admissions (``hit.lua``'s field 'u')
+    quanta: dict[tuple[str, bytes], Quanta] = field(default_factory=dict)
 
     @property
     def own_slot(self) -> str:
@@ -86,13 +98,35 @@ class ModelStore:
             region = parse_slot_id(slot)[0]
             if region != self.region:
                 rises.setdefault(region, []).append(rise)
+        window: tuple[float, int] | None = None
+        if rule.mode == "approximate":
+            sums, _ = self.sums(rule, subject, now_us)
+            n = rule.buckets
+            weight = share(self.firsts(rule, subject, now_us)[n], current, rule.resolution_us, now_us)
+            window = (sum(sums[:n]) + oldest_part(sums[n], weight), sum(sums))
         found = reserve(
             limit=rule.limit, now_us=now_us, counts=counts, rises=rises, known_until=self.peer_known, regions=self.regions, predict=rule.predict,
             partition=rule.partition, partition_after_us=rule.partition_after_us,
+            window=window, own=self.quanta.get((rule.name, subject)),
         )
         if not found.units and not found.closed:
             return Reservation(0.0, False)
         return found
+
+    def peered(self, rule: Rule, subject: bytes, now_us: int) -> bool:
+        """Does ``hit.lua`` look at the peers for this rule (a policy other than local, or
+        another slot's count in the window, or a peer's rise), and record own admissions?"""
+        if not (rule.predict or rule.partition != "local"):
+            return False
+        if rule.partition != "local" or self.rises.get((rule.name, subject)):
+            return True
+        current = bucket_of(now_us, rule.resolution_us)
+        state = self.keys.get((rule.name, subject), {})
+        return any(
+            slot != self.own_slot and cell.value > 0
+            for bucket, slots in state.items() if 0 <= current - bucket <= rule.buckets
+            for slot, cell in slots.items()
+        )
 
     def reserve_falls_at(self, rule: Rule, subject: bytes, now_us: int) -> int | None:
         """The earliest time the reserve may shrink with no news from the peers, or None
@@ -111,6 +145,7 @@ class ModelStore:
         windows = [self.sums(rule, subject, now_us) for rule in rules]
         held = [self.reservation(rule, subject, now_us) for rule in rules]
         firsts = [self.firsts(rule, subject, now_us) for rule in rules]
+        peered = [self.peered(rule, subject, now_us) for rule in rules]
         admitted = all(
             not h.closed
             and evaluate(s, f, now_us, cost, r.limit, r.resolution_us, r.mode == "approximate", False, h.units, fs).allowed
@@ -118,7 +153,10 @@ class ModelStore:
         )
         consumed = admitted and consume
         if consumed and cost > 0:
-            for rule in rules:
+            for rule, seen in zip(rules, peered, strict=True):
+                key = (rule.name, subject)
+                if seen and rule.predict and rule.mode == "approximate":
+                    self.quanta[key] = quanta_add(self.quanta.get(key), now_us, quantum_us(rule.partition_after_us), cost)
                 state = self.keys.setdefault((rule.name, subject), {})
                 bucket = bucket_of(now_us, rule.resolution_us)
                 cell = state.setdefault(bucket, {}).get(self.own_slot, Cell())

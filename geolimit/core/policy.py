@@ -10,6 +10,12 @@ budget for what its peers have probably admitted since it last heard from them:
   rose by over the time since its previous update. A peer whose counts were
   current after that rise arrived (``known_until > Rise.at_us``) did not admit
   since: it has stopped on the key and is reserved nothing;
+* **the split of freed room** (approximate mode, with prediction): a peer that
+  stopped because it was denied resumes as soon as room frees up, in every
+  region at once. A peer that rose within the last ``partition_after`` is
+  reserved at least its share of the window's count of the room this region sees
+  (plus this region's own admissions since the peers' counts were current, field
+  'u': :class:`Quanta`), at most what its last rises admit while it is stale;
 * **partition policy** (``Rule.partition``), for a peer whose counts are older
   than ``Rule.partition_after``:
 
@@ -28,9 +34,55 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["PARTITION_POLICIES", "Reservation", "Rise", "predicted_rate", "predicted_retry", "reserve"]
+__all__ = [
+    "PARTITION_POLICIES", "QUANTA", "Quanta", "Reservation", "Rise", "own_since", "predicted_rate", "predicted_retry",
+    "quanta_add", "quantum_us", "reserve",
+]
 
 PARTITION_POLICIES = ("local", "share", "closed")
+#: How many quanta of its own admissions a key keeps (``hit.lua``'s field 'u').
+QUANTA = 8
+
+
+def quantum_us(partition_after_us: int) -> int:
+    """The length of a quantum of a key's own-admission record: partition_after / 16."""
+    return max(1, partition_after_us // 16)
+
+
+@dataclass(frozen=True, slots=True)
+class Quanta:
+    """This region's own admissions of a key per quantum (field 'u' = 'q c1 c2 ... cK')."""
+
+    q: int  # the newest quantum's number (time // quantum)
+    counts: tuple[int, ...]  # its count, then those of the quanta before it (at most QUANTA)
+
+
+def quanta_add(quanta: Quanta | None, now_us: int, q_us: int, cost: int) -> Quanta:
+    """The record after this region admits ``cost`` more at ``now_us``."""
+    qn = now_us // q_us
+    if quanta is not None and quanta.q == qn:
+        return Quanta(qn, (quanta.counts[0] + cost, *quanta.counts[1:]))
+    if quanta is not None and quanta.q < qn:
+        shift = qn - quanta.q
+        rest = [quanta.counts[j - shift] if 0 <= j - shift < len(quanta.counts) else 0 for j in range(1, QUANTA)]
+        return Quanta(qn, (cost, *rest))
+    return Quanta(qn, (cost,))
+
+
+def own_since(quanta: Quanta | None, now_us: int, q_us: int, since_us: int) -> float:
+    """This region's own admissions after ``since_us`` (those of a quantum that ``since_us``
+    cuts assumed uniform over its elapsed part)."""
+    if quanta is None:
+        return 0
+    total: float = 0
+    for j, count in enumerate(quanta.counts):
+        lo = (quanta.q - j) * q_us
+        hi = min(lo + q_us, now_us)
+        if lo >= since_us:
+            total += count
+        elif hi > since_us and hi > lo:
+            total += count * (hi - since_us) / (hi - lo)
+    return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,18 +143,37 @@ def reserve(
     predict: bool,
     partition: str,
     partition_after_us: int,
+    window: tuple[float, int] | None = None,
+    own: Quanta | None = None,
 ) -> Reservation:
     """What to reserve for peers.
 
     ``counts`` is each peer region's count in the window, ``rises`` the last rise
     of each of its slots (see :func:`predicted_rate`); ``known_until`` maps every peer to the time its counts were last current;
     ``regions`` counts all regions.
+
+    Approximate mode (``window``: the weighted count without any reserve, and the plain
+    total of the window's buckets) also splits the room: every region sees the same
+    room free up at the same moment, and a peer denied until then has no rise to
+    predict from. The room this region would see without its own admissions since
+    the stalest peer's counts were current (``own``: its record of them) is split by
+    the regions' shares of the window's count; a peer is reserved its share, at most
+    what its rises of the last ``partition_after`` would admit while its counts are
+    stale (a peer with no recent rise has no demand to reserve for). The more of the
+    two predictions counts.
     """
     units = 0.0
     closed = False
     predicted = 0.0
     ends = 0
     falls: int | None = None
+    base = 0.0
+    if window is not None:
+        stalest = min((u for u in known_until.values() if now_us - u <= partition_after_us), default=None)
+        if stalest is not None:
+            mine = own_since(own, now_us, quantum_us(partition_after_us), stalest)
+            base = limit - window[0] + mine
+    split = base > 0 and window is not None and window[1] > 0
     for region, until in known_until.items():
         stale = now_us - until if now_us > until else 0
         if stale > partition_after_us:
@@ -115,8 +186,24 @@ def reserve(
                     units += fair - have
         elif predict and stale > 0:
             rate = predicted_rate(rises.get(region, ()), until)
-            units += rate * stale
-            predicted += rate * stale
+            held = rate * stale
+            if split and window is not None:
+                recent = [r for r in rises.get(region, ()) if r.at_us >= now_us - partition_after_us]
+                last = 0.0
+                for rise in recent:
+                    last += rise.units / rise.gap_us
+                part = counts.get(region, 0) / window[1] * base
+                if part > last * stale:
+                    part = last * stale
+                if part > held:
+                    held = part
+                if part > 0:  # it shrinks when a rise leaves the last partition_after
+                    for rise in recent:
+                        gone = rise.at_us + partition_after_us + 1
+                        if falls is None or gone < falls:
+                            falls = gone
+            units += held
+            predicted += held
             # Once its counts are older than partition_after, a peer is no longer predicted for.
             ends = max(ends, until + partition_after_us + 1)
             if rate > 0 and (falls is None or until + partition_after_us + 1 < falls):

@@ -58,6 +58,9 @@ __all__ = [
 
 HEAD_FIELD = "h"
 SUBSTEPS = 64
+#: Approximate mode's margin on the oldest bucket, in standard deviations of its count
+#: (:func:`oldest_part`; ``common.lua``'s ``oldest_part`` uses the same number).
+MARGIN = 2.5
 #: The largest limit and the largest cost of one request (both inclusive): the
 #: units a cell gains between resets never exceed it, so ``count * SUBSTEPS +
 #: first`` stays exact in a Lua double.
@@ -105,12 +108,30 @@ def first_offset(now_us: int, resolution_us: int) -> int:
 
 def share(first: int, current: int, resolution_us: int, at_us: int) -> float:
     """Approximate mode: the part of the oldest bucket still in the window ending at ``at_us``,
-    assuming its traffic was uniform from its first admission to its end."""
+    assuming its traffic was uniform from the end of the ``1/SUBSTEPS`` step in which its
+    first admission fell (the later end: the step's start would free room too early) to
+    the bucket's end."""
     if first >= SUBSTEPS:  # no admission recorded: the whole bucket
-        first = 0
-    span = resolution_us - first * resolution_us / SUBSTEPS
-    weight = ((current + 1) * resolution_us - at_us) / span
+        first = -1
+    span = resolution_us - (first + 1) * resolution_us / SUBSTEPS
+    end = (current + 1) * resolution_us
+    if span <= 0:  # everything in the bucket's last step: it leaves at the end
+        return 1.0 if at_us < end else 0.0
+    weight = (end - at_us) / span
     return 1.0 if weight > 1 else 0.0 if weight < 0 else weight
+
+
+def oldest_part(count: int, weight: float) -> float:
+    """Approximate mode: what the oldest bucket's ``count`` units count for at ``weight``.
+
+    Not ``count * weight``: lumpy admissions (a gap, then a lump late in the bucket)
+    leave the true window later than a uniform spread would, so the weighted part is
+    inflated by :data:`MARGIN` standard deviations of a count, ``MARGIN * sqrt(count)``,
+    and capped at ``count``. As if the bucket's traffic had been squeezed into its last
+    ``count / (count + MARGIN * sqrt(count))`` of the span: the count still falls at a
+    steady rate, only later (design section 14)."""
+    part = weight * (count + MARGIN * math.sqrt(count))
+    return count if part > count else part
 
 
 def bucket_of(now_us: int, resolution_us: int) -> int:
@@ -201,14 +222,14 @@ def evaluate(
     """
     n = len(sums) - 1
     current = now_us // resolution_us
-    starts: Sequence[int] = firsts if firsts is not None else [0] * (n + 1)
+    starts: Sequence[int] = firsts if firsts is not None else [SUBSTEPS] * (n + 1)
     weight = share(starts[n], current, resolution_us, now_us)
     items = list(future.items() if isinstance(future, Mapping) else future)
     # Buckets ahead of this clock come from regions whose clocks run ahead: those
     # admissions already happened, so they count (like a reservation).
     reserve += sum(total for _, total in items)
     newer = reserve + sum(sums[:n])
-    count: float = newer + (sums[n] * weight if approximate else sums[n])
+    count: float = newer + (oldest_part(sums[n], weight) if approximate else sums[n])
     allowed = count + cost <= limit
     used_f = count + cost if (allowed and consume) else count
     used = math.ceil(used_f) if approximate else int(used_f)
@@ -283,15 +304,34 @@ def _retry_approximate(
         start_weight = weight if k == 0 else 1.0
         if newer + cost > limit:
             continue
-        if oldest == 0 or newer + oldest * start_weight + cost <= limit:
+        if oldest == 0 or newer + oldest_part(oldest, start_weight) + cost <= limit:
             return 0 if k == 0 else (current + k) * res - now_us
-        needed = (limit - cost - newer) / oldest
-        first = firsts[n - k] if firsts[n - k] < SUBSTEPS else 0
-        span = res - first * res / SUBSTEPS
+        first = firsts[n - k] if firsts[n - k] < SUBSTEPS else -1
+        span = res - (first + 1) * res / SUBSTEPS
         # Relative to now (an integer difference first): an absolute time in
         # microseconds as a double is only exact to about 0.25 us.
-        return math.ceil((current + k + 1) * res - now_us - needed * span)
+        end = (current + k + 1) * res - now_us
+        if span <= 0:
+            return end
+        needed = (limit - cost - newer) / (oldest + MARGIN * math.sqrt(oldest))
+        wait = math.ceil(end - needed * span)
+        # The exact microsecond, as evaluate() will judge it then (the root is rounded).
+        then = reserve + sum(sums[: n - k])  # what evaluate() will count as newer then
+        low = 1 if k == 0 else (current + k) * res - now_us + 1
+        for _ in range(4):
+            if wait < end and not _fits(then, oldest, firsts[n - k], current + k, res, now_us + wait, cost, limit):
+                wait += 1
+            elif wait > low and _fits(then, oldest, firsts[n - k], current + k, res, now_us + wait - 1, cost, limit):
+                wait -= 1
+            else:
+                break
+        return wait
     return (current + n + 1) * res - now_us
+
+
+def _fits(newer: float, oldest: int, first: int, current: int, res: int, at_us: int, cost: int, limit: int) -> bool:
+    """Approximate mode: does ``cost`` fit at ``at_us`` in bucket ``current`` (no new traffic)?"""
+    return newer + oldest_part(oldest, share(first, current, res, at_us)) + cost <= limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,7 +372,8 @@ def read_key(
     floors: dict[int, int] = {}
     stale: list[bytes] = []
     for name, raw in fields.items():
-        if name in (b"h", b"e") or name[:1] == b"p":  # the head, the expiry mark, a peer's last rise (common.lua)
+        if name in (b"h", b"e", b"u") or name[:1] == b"p":
+            # the head, the expiry mark, this region's own recent admissions, a peer's last rise (common.lua)
             continue
         f = parse_stored_int(name, signed=True)
         if f is None:

@@ -54,7 +54,7 @@ LIBRARY_SCRIPTS = ("hit", "reset", "replay", "prune", "escrow_drain", "escrow_gi
 #: Top-level locals of the preludes that hold state of one call, and their initial value.
 _PRELUDE_STATE = {"now_ms_cache": "nil"}
 #: Top-level locals of the preludes that are set once and never change.
-_PRELUDE_CONSTANTS = frozenset({"tonumber", "ceil", "fmod", "call", "SUB", "MAX_VALUE"})
+_PRELUDE_CONSTANTS = frozenset({"tonumber", "ceil", "fmod", "call", "SUB", "MAX_VALUE", "MARGIN", "QUANTA"})
 
 
 def _read(name: str) -> bytes:
@@ -64,7 +64,7 @@ def _read(name: str) -> bytes:
 @cache
 def load_script(name: str) -> LuaScript:
     """The script ``geolimit/store/lua/<name>.lua`` with its prelude(s)."""
-    preludes = ("common", "outbox") if name in _OUTBOX_SCRIPTS else ("common", "escrow")
+    preludes = ("common", "policy", "outbox") if name in _OUTBOX_SCRIPTS else ("common", "policy", "escrow")
     source = b"\n".join([*(_read(p) for p in preludes), _read(name)])
     function = _function_name(name) if name in LIBRARY_SCRIPTS else None
     return LuaScript(name, source, hashlib.sha1(source).hexdigest().encode(), function)
@@ -92,8 +92,8 @@ def _body(name: str) -> str:
 
 @cache
 def _library_template() -> str:
-    common, escrow, outbox = _read("common"), _read("escrow"), _read("outbox")
-    for prelude in (common, escrow, outbox):
+    common, policy, escrow, outbox = _read("common"), _read("policy"), _read("escrow"), _read("outbox")
+    for prelude in (common, policy, escrow, outbox):
         _check_prelude_locals(prelude)
     plain = "".join(_body(n) for n in LIBRARY_SCRIPTS if n not in _OUTBOX_SCRIPTS)
     with_outbox = "".join(_body(n) for n in LIBRARY_SCRIPTS if n in _OUTBOX_SCRIPTS)
@@ -109,7 +109,7 @@ def _library_template() -> str:
         "local KEYS, ARGV, fns\n"
         "local function build()\n"
         "local scripts = {}\n"
-        f"{common.decode()}\n{escrow.decode()}\n{plain}"
+        f"{common.decode()}\n{policy.decode()}\n{escrow.decode()}\n{plain}"
         f"do\n{outbox.decode()}\n{with_outbox}end\n"
         "return scripts\n"
         "end\n"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,6 +13,7 @@ from geolimit.core.model import ModelStore
 from geolimit.core.rule import Rule
 from geolimit.core.usage import slot_names
 from geolimit.core.window import (
+    MARGIN,
     MAX_CELL_VALUE,
     SUBSTEPS,
     bucket_at,
@@ -121,15 +124,18 @@ def test_window_edge_burst_is_refused() -> None:
 
 
 def test_approximate_mode_weights_the_oldest_bucket() -> None:
-    rule = Rule("r", 10, 10, 1, mode="approximate")
-    strict = Rule("r", 10, 10, 1)
+    """Half of the oldest bucket is gone: approximate mode counts a bit more than half of
+    its 100 (a margin of MARGIN * sqrt(100) for lumpy traffic, scaled by the weight), strict all of it."""
+    rule = Rule("r", 100, 10, 1, mode="approximate")
+    strict = Rule("r", 100, 10, 1)
     now = 1_700_000_000_000_000  # on a bucket boundary
-    sums = [0] * 10 + [10]  # the oldest bucket holds 10
+    sums = [0] * 10 + [100]  # the oldest bucket holds 100
     half_gone = now + 500_000
     assert not evaluate(sums, {}, half_gone, 1, strict.limit, strict.resolution_us).allowed
     approx = evaluate(sums, {}, half_gone, 1, rule.limit, rule.resolution_us, approximate=True)
-    assert approx.allowed  # 10 * 0.5 + 1 <= 10
-    assert approx.used == 6
+    assert approx.allowed
+    assert approx.used == 1 + math.ceil(0.5 * (100 + MARGIN * 10))
+    assert 51 < approx.used < 100
 
 
 def test_multi_rule_denial_consumes_nothing_in_the_model() -> None:

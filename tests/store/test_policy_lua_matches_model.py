@@ -27,9 +27,11 @@ RULES = [
     Rule("share", 12, 4, 1, partition="share", partition_after=0.5),
     Rule("closed", 12, 4, 1, partition="closed", partition_after=0.5, predict=False),
     Rule("local", 12, 4, 1, predict=False),
+    # approximate mode: the margin on the oldest bucket, the split of the room and field 'u'
+    Rule("apx", 14, 4, 1, mode="approximate", partition_after=0.5),
 ]
 PEERS = ["east", "west"]
-PICK = st.sampled_from([RULES[0], *RULES])  # "pred" twice as often: prediction needs a remote rise and a hit on it
+PICK = st.sampled_from([RULES[0], RULES[4], *RULES])  # "pred" and "apx" twice as often: prediction needs a remote rise and a hit on it
 SLOTS = ["east/i1", "west/i1", "east/i2"]  # east has two incarnations: their rates add up
 
 ages = st.one_of(st.integers(0, 300_000), st.integers(0, 2_000_000))  # within partition_after, or not

@@ -56,10 +56,11 @@ return out
 
 @cache
 def rls_script() -> LuaScript:
-    """``common.lua``, ``hit.lua`` as ``local function decide(KEYS, ARGV)``, then the transaction loop."""
+    """``common.lua``, ``policy.lua``, ``hit.lua`` as ``local function decide(KEYS, ARGV)``, then the transaction loop."""
     folder = resources.files("geolimit.store") / "lua"
     source = b"\n".join([
         (folder / "common.lua").read_bytes(),
+        (folder / "policy.lua").read_bytes(),
         b"local function decide(KEYS, ARGV)",
         (folder / "hit.lua").read_bytes(),
         b"end",

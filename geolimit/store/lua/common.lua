@@ -8,6 +8,9 @@ local call = redis.call
 -- approximate mode where a bucket's traffic began. (geolimit.core.window.SUBSTEPS)
 local SUB = 64
 local function count_of(v) return (v - v % SUB) / SUB end
+-- Approximate mode's margin on the oldest bucket, in standard deviations of its
+-- count (geolimit.core.window.MARGIN).
+local MARGIN = 2.5
 
 -- The epoch-aligned bucket of time t (exact: fmod never rounds).
 local function bucket(t, res)
@@ -108,7 +111,8 @@ end
 -- expiry_mark). With per_slot, also slot index -> count in the window (floors
 -- applied) and slot index -> {at, units, gap}: the slot's last rise, from field
 -- 'p<slot index>' = 'at:units:gap' (written by merge.lua, see
--- geolimit.core.policy.Rise). Fields whose name or value is not a number are
+-- geolimit.core.policy.Rise). Last, field 'u' as stored (this region's own recent
+-- admissions, see quanta()). Fields whose name or value is not a number are
 -- ignored (geolimit.core.window.read_key does the same).
 local function load_window(key, c, N, M, per_slot, approx)
   local flat = call('HGETALL', key)
@@ -120,10 +124,11 @@ local function load_window(key, c, N, M, per_slot, approx)
   for d = 0, N do firsts[d] = SUB end
   local rises = per_slot and {} or nil
   if n == 0 then return sums, nil, nil, 0, {}, slots, firsts, nil, rises end
-  local h, e
+  local h, e, u
   for i = 1, n, 2 do
     local fs = flat[i]
-    if fs == 'h' then h = tonumber(flat[i + 1]) elseif fs == 'e' then e = tonumber(flat[i + 1]) end
+    if fs == 'h' then h = tonumber(flat[i + 1]) elseif fs == 'e' then e = tonumber(flat[i + 1])
+    elseif fs == 'u' then u = flat[i + 1] end
   end
   if not h then h = c end
   local stale, futs, floors = {}, nil, nil
@@ -196,90 +201,28 @@ local function load_window(key, c, N, M, per_slot, approx)
       end
     end
   end
-  return sums, futs, h, own, stale, slots, firsts, e, rises
+  return sums, futs, h, own, stale, slots, firsts, e, rises, u
 end
 
--- Does a key hold counts (or rises, see load_window) of any slot but this region's current one?
-local function has_remote(slots)
-  return next(slots) ~= nil
-end
-
--- What this region knows of its peers, for prediction and partition policies:
--- slot index -> region (from the registry), region -> time its counts were last
--- current, and the number of regions (written by the agent in the peers hash).
-local function load_peers(reg, peers)
-  local flat = call('HGETALL', reg)
-  local owner = {}
-  for i = 1, #flat, 2 do
-    local id = flat[i]
-    local cut = string.find(id, '/', 1, true)
-    if cut then owner[tonumber(flat[i + 1])] = string.sub(id, 1, cut - 1) end
-  end
-  local p = call('HGETALL', peers)
-  local known, regions = {}, 0
-  for i = 1, #p, 2 do
-    if p[i] == '#R' then regions = tonumber(p[i + 1]) else known[p[i]] = tonumber(p[i + 1]) end
-  end
-  return {owner, known, regions}
-end
-
--- Mirrors geolimit.core.policy.reserve: units to reserve for peers, and whether
--- a partitioned peer closes the rule. slots: slot index -> count in the window;
--- rises: slot index -> {at, units, gap} (see load_window).
-local function reservation(info, slots, rises, own_region, limit, now, predict, partition, after)
-  local owner, known, regions = info[1], info[2], info[3]
-  local counts, rates = {}, {}
-  for s, v in pairs(slots) do
-    local r = owner[s]
-    if r and r ~= own_region then counts[r] = (counts[r] or 0) + v end
-  end
-  if predict then
-    -- geolimit.core.policy.predicted_rate: a rise that arrived before the peer's
-    -- counts were last current is over (the peer stopped on this key).
-    for s, t in pairs(rises) do
-      local r = owner[s]
-      local untl = r and known[r]
-      if untl and r ~= own_region and t[1] >= untl then rates[r] = (rates[r] or 0) + t[2] / t[3] end
-    end
-  end
-  local units, closed, predicted, ends, falls = 0, false, 0, 0, nil
-  for r, untl in pairs(known) do
-    if r ~= own_region then
-      local stale = now - untl
-      if stale < 0 then stale = 0 end
-      if stale > after then
-        if partition == 2 then
-          closed = true
-        elseif partition == 1 and regions > 0 then
-          local fair = limit / regions
-          local have = counts[r] or 0
-          if fair > have then units = units + (fair - have) end
-        end
-      elseif predict and stale > 0 then
-        local rate = rates[r] or 0
-        units = units + rate * stale
-        predicted = predicted + rate * stale
-        -- Once its counts are older than `after`, a peer is no longer predicted for.
-        if untl + after + 1 > ends then ends = untl + after + 1 end
-        -- ... so a reserve above 0 may first shrink then (it only grows before).
-        if rate > 0 and (not falls or untl + after + 1 < falls) then falls = untl + after + 1 end
-      end
-    end
-  end
-  if partition ~= 0 then predicted, ends = 0, 0 end  -- the share/closed policy takes over afterwards: no cap
-  return units, closed, predicted, ends, falls
-end
-
--- Does the window admit cost more? (count the partial oldest bucket fully in
--- strict mode, weighted by its overlap in approximate mode)
--- Approximate mode: the share of the oldest bucket (traffic assumed uniform
--- from its first admission to its end) still inside the window ending at t.
+-- Approximate mode: the share of the oldest bucket still inside the window ending
+-- at t, its traffic assumed uniform from the end of the 64th in which its first
+-- admission fell to the bucket's end (geolimit.core.window.share).
 local function share(first, c, res, t)
-  if first >= SUB then first = 0 end
-  local span = res - first * res / SUB
-  local w = ((c + 1) * res - t) / span
+  if first >= SUB then first = -1 end
+  local span = res - (first + 1) * res / SUB
+  local stop = (c + 1) * res
+  if span <= 0 then return t < stop and 1 or 0 end
+  local w = (stop - t) / span
   if w > 1 then w = 1 elseif w < 0 then w = 0 end
   return w
+end
+
+-- Approximate mode: what the oldest bucket's n units count for at weight w: n * w
+-- inflated by MARGIN * sqrt(n) for lumpy traffic, at most n (geolimit.core.window.oldest_part).
+local function oldest_part(n, w)
+  local part = w * (n + MARGIN * math.sqrt(n))
+  if part > n then return n end
+  return part
 end
 
 -- Cells in buckets ahead of this region's clock were written by a region whose
@@ -290,11 +233,13 @@ local function ahead(futs)
   return n
 end
 
+-- Does the window admit cost more? (count the partial oldest bucket fully in
+-- strict mode, weighted by its overlap in approximate mode)
 local function admits(sums, futs, firsts, N, now, cost, limit, res, approx, reserve)
   local count = reserve + ahead(futs)
   for d = 0, N - 1 do count = count + sums[d] end
   if approx then
-    count = count + sums[N] * share(firsts[N], bucket(now, res), res, now)
+    count = count + oldest_part(sums[N], share(firsts[N], bucket(now, res), res, now))
   else
     count = count + sums[N]
   end
@@ -310,7 +255,7 @@ local function evaluate(sums, firsts, futs, N, now, cost, limit, res, approx, co
   local newer = reserve + ahead(futs)
   for d = 0, N - 1 do newer = newer + sums[d] end
   local count
-  if approx then count = newer + sums[N] * weight else count = newer + sums[N] end
+  if approx then count = newer + oldest_part(sums[N], weight) else count = newer + sums[N] end
   local allowed = count + cost <= limit
   local used = count
   if allowed and consume then used = count + cost end
@@ -327,15 +272,35 @@ local function evaluate(sums, firsts, futs, N, now, cost, limit, res, approx, co
         local w0 = 1.0
         if k == 0 then w0 = weight end
         if newer + cost <= limit then
-          if oldest == 0 or newer + oldest * w0 + cost <= limit then
+          if oldest == 0 or newer + oldest_part(oldest, w0) + cost <= limit then
             if k == 0 then retry = 0 else retry = (c + k) * res - now end
           else
-            local need = (limit - cost - newer) / oldest
             local first = firsts[N - k]
-            if first >= SUB then first = 0 end
-            local span = res - first * res / SUB
+            if first >= SUB then first = -1 end
+            local span = res - (first + 1) * res / SUB
             -- relative to now first: an absolute time in µs as a double is exact only to ~0.25 µs
-            retry = ceil((c + k + 1) * res - now - need * span)
+            local stop = (c + k + 1) * res - now
+            if span <= 0 then
+              retry = stop
+            else
+              local need = (limit - cost - newer) / (oldest + MARGIN * math.sqrt(oldest))
+              retry = ceil(stop - need * span)
+              -- the exact microsecond, as evaluate() will judge it then (the root is rounded)
+              local thn = reserve + ahead(futs)
+              for d = 0, N - k - 1 do thn = thn + sums[d] end
+              local low = 1
+              if k > 0 then low = (c + k) * res - now + 1 end
+              for _ = 1, 4 do
+                if retry < stop and thn + oldest_part(oldest, share(firsts[N - k], c + k, res, now + retry)) + cost > limit then
+                  retry = retry + 1
+                elseif retry > low and thn + oldest_part(oldest, share(firsts[N - k], c + k, res, now + retry - 1)) + cost
+                    <= limit then
+                  retry = retry - 1
+                else
+                  break
+                end
+              end
+            end
           end
           break
         end
@@ -383,17 +348,4 @@ local function evaluate(sums, firsts, futs, N, now, cost, limit, res, approx, co
     if oldest < 0 then stable = N * res else stable = (oldest + N + 1) * res - now end
   end
   return allowed, used, retry, reset, stable
-end
-
--- retry_after when part of the reserve is predicted for peers (policy local):
--- with no new traffic that part is gone once the peers' counts are `after` old
--- (at `ends`), so a request is admitted by then or by when its window alone
--- admits it (`plain`), whichever is later; never later than `retry` itself.
-local function predicted_retry(retry, sums, firsts, futs, N, now, cost, limit, res, approx, reserve, predicted, ends)
-  if predicted <= 0 or retry <= 0 then return retry end
-  local _, _, plain = evaluate(sums, firsts, futs, N, now, cost, limit, res, approx, false, reserve - predicted)
-  local bound = ends - now
-  if plain > bound then bound = plain end
-  if bound < retry then return bound end
-  return retry
 end

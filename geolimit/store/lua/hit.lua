@@ -143,12 +143,23 @@ for _ = 1, tonumber(ARGV[4]) do
       local partition = tonumber(ARGV[ai + 7])
       local c = bucket(gnow, res)
       local watch = predict or partition > 0
-      local sums, futs, h, own, stale, slots, firsts, e, rises = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
+      local sums, futs, h, own, stale, slots, firsts, e, rises, u = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
       local reserve, closed, predicted, ends, falls = 0, false, 0, 0, nil
+      local after = tonumber(ARGV[ai + 8])
+      local uq, ucs = nil, nil  -- field 'u', read (predicting approximate rules with peers: rewritten on admission)
       if watch and (partition > 0 or has_remote(slots) or has_remote(rises)) then
         info = info or load_peers(reg, peers)
+        local win = nil
+        if approx then
+          local count, total = 0, 0
+          for d = 0, N - 1 do count = count + sums[d] end
+          for d = 0, N do total = total + sums[d] end
+          uq, ucs = quanta(u)
+          win = {count + oldest_part(sums[N], share(firsts[N], c, res, gnow)), total, uq, ucs}
+          if not predict then ucs = nil end
+        end
         reserve, closed, predicted, ends, falls = reservation(info, slots or {}, rises or {}, region, limit, gnow,
-                                                              predict, partition, tonumber(ARGV[ai + 8]))
+                                                              predict, partition, after, win)
       end
       -- One rule: evaluate() below answers the same, so skip this pass.
       if closed or (nr > 1 and not admits(sums, futs, firsts, N, gnow, cost, limit, res, approx, reserve)) then
@@ -156,7 +167,7 @@ for _ = 1, tonumber(ARGV[4]) do
       end
       rs[j] = {sums = sums, futs = futs, N = N, limit = limit, res = res, approx = approx, c = c, M = M, ttl = ttl,
                h = h, own = own, stale = stale, reserve = reserve, closed = closed, firsts = firsts, e = e,
-               predicted = predicted, ends = ends, falls = falls}
+               predicted = predicted, ends = ends, falls = falls, uq = uq, ucs = ucs, after = after}
     end
     ai = ai + 10
   end
@@ -179,15 +190,23 @@ for _ = 1, tonumber(ARGV[4]) do
         local value = r.own
         if value == 0 then value = math.floor((gnow - c * res) * SUB / res) end
         value = value + cost * SUB
+        -- field 'u' (see quanta()) when this rule records its own admissions
+        local um = r.ucs and quanta_add(r.uq, r.ucs, gnow, quantum(r.after), cost)
         if h == nil or c > h then
           if #r.stale > 0 then chunked('HDEL', key, r.stale, 1000) end
           local mark = expiry_mark(r.e, r.ttl)
-          if mark then
+          if mark and um then
+            call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark), 'u', um)
+          elseif mark then
             call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark))
-            arm_expiry(key, mark)
+          elseif um then
+            call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value), 'u', um)
           else
             call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value))
           end
+          if mark then arm_expiry(key, mark) end
+        elseif um then
+          call('HSET', key, fmt(c % M), fmt(value), 'u', um)
         else
           call('HSET', key, fmt(c % M), fmt(value))
         end
