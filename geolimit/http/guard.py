@@ -247,7 +247,7 @@ class Guard:
         one = self._one_call.get(id(policy))
         if one is not None:
             outcome = await self.check_one(one, request, params)
-            return outcome if type(outcome) is Verdict else _allowed(outcome, one)  # type: ignore[arg-type]
+            return outcome if isinstance(outcome, Verdict) else _allowed(outcome, one)
         planned: list[_Planned] = []
         shadows: list[_Planned] = []
         for limit in policy.limits:

@@ -14,7 +14,6 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from geolimit.core.decision import Decision
 from geolimit.errors import RequestError
 from geolimit.http.guard import RoutePolicy, Verdict
 from geolimit.http.headers import PROBLEM_TYPE, problem_body, problem_document, rate_limit_headers
@@ -64,11 +63,11 @@ async def decide(state: State, metrics: ProxyMetrics,
             outcome = await guard.check_one(one, info, found[1])
         except RequestError as exc:
             return route, local_problem(400, "Bad Request", f"cannot rate-limit this request: {exc}", info.path), []
-        if type(outcome) is Decision:
-            for name in one.names:
-                metrics.decision(route, name, "allowed")
-            return route, None, rate_limit_headers(outcome, legacy=config.legacy_headers, units=one.units)
-        return _verdict(route, policy, outcome, metrics, info, config.legacy_headers)  # type: ignore[arg-type]
+        if isinstance(outcome, Verdict):
+            return _verdict(route, policy, outcome, metrics, info, config.legacy_headers)
+        for name in one.names:  # every limit allowed it
+            metrics.decision(route, name, "allowed")
+        return route, None, rate_limit_headers(outcome, legacy=config.legacy_headers, units=one.units)
     if id(policy) in state.checked_costs:
         for limit in policy.limits:
             try:
