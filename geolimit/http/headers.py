@@ -117,13 +117,7 @@ class _Shown:
         self.window = effective  # the effective window, t
 
     def policy(self) -> str:
-        item = f"{_name(self.result.rule)};q={self.quota}"
-        if self.unit.content_bytes:
-            item += ';qu="content-bytes"'
-        window = self.result.window
-        if window >= 1 and float(window).is_integer():
-            item += f";w={int(window)}"
-        return item
+        return _policy(self.result.rule, self.quota, self.unit.content_bytes, self.result.window)
 
     def current(self) -> str:
         return f"{_name(self.result.rule)};r={self.available};t={self.window}"
@@ -132,6 +126,17 @@ class _Shown:
 @functools.lru_cache(maxsize=1024)
 def _name(rule: str) -> str:
     return sf_string(rule)
+
+
+@functools.lru_cache(maxsize=1024)
+def _policy(rule: str, quota: int, content_bytes: bool, window: float) -> str:
+    """One item of RateLimit-Policy."""
+    item = f"{_name(rule)};q={quota}"
+    if content_bytes:
+        item += ';qu="content-bytes"'
+    if window >= 1 and float(window).is_integer():
+        item += f";w={int(window)}"
+    return item
 
 
 def _retry_after(decision: Decision) -> int:
@@ -153,6 +158,12 @@ def rate_limit_headers(
     results = decision.results or ()
     if units is not None and len(units) != len(results):
         raise RequestError(f"{len(units)} quota units for {len(results)} rule results")
+    if len(results) == 1 and decision.allowed and results[0].allowed and not legacy:  # the common case
+        result = results[0]
+        unit = units[0] if units is not None else _REQUEST
+        k = unit.per_request
+        return [("RateLimit-Policy", _policy(result.rule, result.limit // k, unit.content_bytes, result.window)),
+                ("RateLimit", f"{_name(result.rule)};r={result.remaining // k};t={_floor(result.stable_for)}")]
     retry = None if decision.allowed else _retry_after(decision)
     shown = [_Shown(r, units[i] if units is not None else _REQUEST, retry) for i, r in enumerate(results)]
     headers = [

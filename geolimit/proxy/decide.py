@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from geolimit.errors import RequestError
 from geolimit.http.guard import RoutePolicy, Verdict
-from geolimit.http.headers import PROBLEM_TYPE, problem_body, problem_document
+from geolimit.http.headers import PROBLEM_TYPE, problem_body, problem_document, rate_limit_headers
 from geolimit.http.keys import RequestInfo
 from geolimit.proxy.metrics import ProxyMetrics
 from geolimit.proxy.state import State
@@ -47,7 +47,8 @@ async def decide(state: State, metrics: ProxyMetrics,
     """``(route template, local answer or None, headers to add to the forwarded response)``."""
     config = state.config
     route = ""
-    found = state.guard.match(info)
+    guard = state.guard
+    found = guard.match(info)
     if found is not None:
         route = found[0].route.template
     if config.max_body is not None and (info.content_length or 0) > config.max_body:
@@ -56,6 +57,17 @@ async def decide(state: State, metrics: ProxyMetrics,
     if found is None or not found[0].limits:
         return route, None, []
     policy = found[0]
+    one = guard.one_call(policy)
+    if one is not None:  # one hit decides the route (no cost to read from the request)
+        try:
+            outcome = await guard.check_one(one, info, found[1])
+        except RequestError as exc:
+            return route, local_problem(400, "Bad Request", f"cannot rate-limit this request: {exc}", info.path), []
+        if isinstance(outcome, Verdict):
+            return _verdict(route, policy, outcome, metrics, info, config.legacy_headers)
+        for name in one.names:  # every limit allowed it
+            metrics.decision(route, name, "allowed")
+        return route, None, rate_limit_headers(outcome, legacy=config.legacy_headers, units=one.units)
     if id(policy) in state.checked_costs:
         for limit in policy.limits:
             try:
@@ -64,14 +76,19 @@ async def decide(state: State, metrics: ProxyMetrics,
                 return route, local_problem(400, "Bad Request", f"cannot read the cost of rule {limit.rule!r}: {exc}",
                                             info.path), []
     try:
-        verdict = await state.guard.check(info)
+        verdict = await guard.check(info)
     except RequestError as exc:
         return route, local_problem(400, "Bad Request", f"cannot rate-limit this request: {exc}", info.path), []
+    return _verdict(route, policy, verdict, metrics, info, config.legacy_headers)
+
+
+def _verdict(route: str, policy: RoutePolicy, verdict: Verdict, metrics: ProxyMetrics, info: RequestInfo,
+             legacy: bool) -> tuple[str, Local | None, list[tuple[str, str]]]:
     _count(metrics, route, policy, verdict)
     if not verdict.allowed:
-        return route, _refusal(info, verdict, config.legacy_headers), []
+        return route, _refusal(info, verdict, legacy), []
     # informational; a shadow limit's wait is no reason to come back later
-    return route, None, [h for h in verdict.headers(config.legacy_headers) if h[0] != "Retry-After"]
+    return route, None, [h for h in verdict.headers(legacy) if h[0] != "Retry-After"]
 
 
 def _count(metrics: ProxyMetrics, route: str, policy: RoutePolicy, verdict: Verdict) -> None:

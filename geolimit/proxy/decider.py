@@ -34,7 +34,14 @@ class ProxyDecider:
 
     async def hit(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
         """Decide ``rules`` (several: all-or-nothing) and consume."""
-        return await self._decide(self.inner.hit, rules, subject, cost)
+        if cost > MAX_COST:
+            raise RequestError(f"cost {cost} is above the maximum of {MAX_COST}")
+        try:  # as _decide, one coroutine less on the proxy's busiest path
+            return await self.inner.hit(rules, bounded_subject(subject), cost)
+        except (StorageError, RequestError):
+            raise
+        except GeolimitError as exc:
+            raise self._misconfigured(rules, exc) from exc
 
     async def peek(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
         """The decision ``hit`` would make, consuming nothing."""
@@ -49,12 +56,15 @@ class ProxyDecider:
         except (StorageError, RequestError):
             raise
         except GeolimitError as exc:
-            names = rules if isinstance(rules, str) else ", ".join(rules)
-            now = time.monotonic()
-            if now - self._last_log > 10.0:
-                self._last_log = now
-                log.error("cannot decide rule(s) %s (configuration problem): %s", names, exc)
-            raise StorageError(f"cannot decide rule(s) {names}: {exc}") from exc
+            raise self._misconfigured(rules, exc) from exc
+
+    def _misconfigured(self, rules: str | Sequence[str], exc: GeolimitError) -> StorageError:
+        names = rules if isinstance(rules, str) else ", ".join(rules)
+        now = time.monotonic()
+        if now - self._last_log > 10.0:
+            self._last_log = now
+            log.error("cannot decide rule(s) %s (configuration problem): %s", names, exc)
+        return StorageError(f"cannot decide rule(s) {names}: {exc}")
 
     async def close(self) -> None:
         if isinstance(self.inner, AsyncLimiter):

@@ -7,16 +7,23 @@ function library's scripts where the server has functions, else EVALSHA).
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import redis.asyncio
 import redis.asyncio.cluster
+from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from geolimit.errors import StorageError
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # pragma: no cover - redis-py's dependency there
+    from async_timeout import timeout as _timeout  # type: ignore[import-not-found, unused-ignore]
 from geolimit.store.protocol import pack_command
 from geolimit.store.redis_store import (
     _FunctionMissing,
@@ -76,6 +83,44 @@ def surviving(replies: list[Any], shards: Sequence[int], failed: dict[int, str])
     return out
 
 
+async def _exchange(conn: Any, parser: Any, packed: bytes) -> Any:
+    """One command and its reply on a connected redis-py connection, without its per-call layers (a task
+    per write, timeout and health bookkeeping): about half the CPU of send_packed_command + read_response.
+
+    The same stream and hiredis reader as redis-py's, so the connection stays usable by it, and the
+    same outcomes: a reply error raised as redis-py's class for it, the socket timeout as its
+    TimeoutError, a closed or broken connection as its ConnectionError, RESP3 push messages given
+    to redis-py's handler.
+    """
+    writer, stream, reader = conn._writer, conn._reader, parser._reader
+    push = getattr(parser, "_hiredis_PushNotificationType", None)
+    writer.write(packed)
+    try:
+        async with _timeout(conn.socket_timeout):
+            if writer.transport.get_write_buffer_size():
+                await writer.drain()
+            while True:
+                reply = reader.gets()
+                while reply is NOT_ENOUGH_DATA:
+                    data = await stream.read(65536)
+                    if not data:
+                        raise RedisConnectionError("Connection closed by server.")
+                    reader.feed(data)
+                    reply = reader.gets()
+                if push is None or not isinstance(reply, push):
+                    break
+                await parser.handle_push_response(reply)
+    except asyncio.TimeoutError:
+        raise RedisTimeoutError("Timeout reading from socket") from None
+    except OSError as exc:
+        raise RedisConnectionError(f"Error while reading from socket: {exc.args}") from exc
+    if isinstance(reply, Exception):
+        raise reply
+    if isinstance(reply, list) and reply and isinstance(reply[0], RedisConnectionError):
+        raise reply[0]
+    return reply
+
+
 class AsyncRedisStore:
     """One Redis server; script calls use pre-packed RESP on a free list of connections."""
 
@@ -96,8 +141,14 @@ class AsyncRedisStore:
         conn = self._free.pop() if reused else self._pool.connection_class(**self._pool.connection_kwargs)
         while True:
             try:
-                await conn.send_packed_command([packed], check_health=False)
-                reply = await conn.read_response()
+                if not conn.is_connected:
+                    await conn.connect_check_health(check_health=False)  # as send_packed_command does
+                parser = getattr(conn, "_parser", None)
+                if isinstance(parser, _AsyncHiredisParser) and parser._connected and parser._reader is not None:
+                    reply = await _exchange(conn, parser, packed)
+                else:
+                    await conn.send_packed_command([packed], check_health=False)
+                    reply = await conn.read_response()
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 await conn.disconnect()
                 if reused and not isinstance(exc, RedisTimeoutError):

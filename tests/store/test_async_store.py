@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 
+import pytest
+import redis
+from redis._parsers.hiredis import _AsyncHiredisParser
+
+from geolimit.errors import StorageError
 from geolimit.store.connect import open_async_store
 from geolimit.store.scripts import LuaScript
 
@@ -12,6 +18,8 @@ from geolimit.store.scripts import LuaScript
 BUSY = b"local x = 0 for i = 1, tonumber(ARGV[1]) do x = x + i end return ARGV[2]"
 SCRIPT = LuaScript("busy", BUSY, hashlib.sha1(BUSY).hexdigest().encode())
 CALLS = 80
+FAILS = b"return redis.error_reply('ERR deliberately')"
+FAILING = LuaScript("fails", FAILS, hashlib.sha1(FAILS).hexdigest().encode())
 
 
 async def test_long_pipelines_stay_within_the_socket_timeout(redis_url: str) -> None:
@@ -37,3 +45,48 @@ async def test_long_pipelines_stay_within_the_socket_timeout(redis_url: str) -> 
     finally:
         await store.close()
     assert took > 1.2, f"the calls took only {took:.2f}s in total: the test did not exceed the timeout"
+
+
+async def test_a_script_call_that_times_out_drops_its_connection(redis_url: str) -> None:
+    """The reply of a call that timed out never answers the next call: its connection is closed."""
+    store = open_async_store(redis_url, timeout=0.3)
+    try:
+        assert await store.run(SCRIPT, [b"0", b"1", b"first"]) == b"first"
+        assert isinstance(store._free[0]._parser, _AsyncHiredisParser)  # read by _exchange
+        loops, error = 1, ""
+        for _ in range(30):  # grow the loop until one call outlasts the timeout
+            try:
+                await store.run(SCRIPT, [b"0", b"%d" % loops, b"late"])
+            except StorageError as exc:
+                error = str(exc)
+                break
+            loops *= 2
+        assert "Redis unreachable: TimeoutError" in error
+        for attempt in range(20):  # Redis may still be running the late call
+            try:
+                assert await store.run(SCRIPT, [b"0", b"1", b"next %d" % attempt]) == b"next %d" % attempt
+                break
+            except StorageError:
+                continue
+    finally:
+        await store.close()
+
+
+async def test_script_calls_go_on_after_the_server_closes_the_connection(redis_url: str) -> None:
+    name = "gl-test-" + secrets.token_hex(4)
+    store = open_async_store(redis_url, timeout=1.0, client_name=name)
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        assert await store.run(SCRIPT, [b"0", b"1", b"one"]) == b"one"
+        killed = [admin.client_kill_filter(_id=c["id"]) for c in admin.client_list() if c["name"] == name]
+        assert killed == [1]
+        assert await store.run(SCRIPT, [b"0", b"1", b"two"]) == b"two"  # on a new connection
+        with pytest.raises(StorageError, match="Redis error: ResponseError"):
+            await store.run(FAILING, [b"0"])
+        assert await store.run(SCRIPT, [b"0", b"1", b"three"]) == b"three"  # the same connection, still in step
+        assert len([c for c in admin.client_list() if c["name"] == name]) == 1
+        admin.script_flush()
+        assert await store.run(SCRIPT, [b"0", b"1", b"four"]) == b"four"  # NOSCRIPT: loaded again
+    finally:
+        admin.close()
+        await store.close()
