@@ -13,12 +13,17 @@ from typing import Any, Protocol
 
 import redis.asyncio
 import redis.asyncio.cluster
-from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from geolimit.errors import StorageError
+
+try:  # redis-py's private hiredis parser: the lean round trip below uses it when it is there
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA, _AsyncHiredisParser
+except ImportError:  # pragma: no cover - another redis-py layout: every call takes redis-py's own path
+    NOT_ENOUGH_DATA = object()
+    _AsyncHiredisParser = type(None)  # type: ignore[misc, assignment]
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
@@ -141,8 +146,9 @@ class AsyncRedisStore:
         conn = self._free.pop() if reused else self._pool.connection_class(**self._pool.connection_kwargs)
         while True:
             try:
-                if not conn.is_connected:
-                    await conn.connect_check_health(check_health=False)  # as send_packed_command does
+                if not conn.is_connected:  # connect as send_packed_command does (older redis-py: connect())
+                    connect = getattr(conn, "connect_check_health", None)
+                    await (connect(check_health=False) if connect is not None else conn.connect())
                 parser = getattr(conn, "_parser", None)
                 if isinstance(parser, _AsyncHiredisParser) and parser._connected and parser._reader is not None:
                     reply = await _exchange(conn, parser, packed)
