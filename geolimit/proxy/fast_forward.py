@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 from aiohttp.http import SERVER_SOFTWARE
@@ -22,7 +21,7 @@ from aiohttp.http import SERVER_SOFTWARE
 from geolimit.http.keys import RequestInfo
 from geolimit.proxy.decide import Local, decide, local_problem
 from geolimit.proxy.fast_upstream import UpstreamConnection, UpstreamPool
-from geolimit.proxy.fast_wire import FastRequest, UpstreamHead, _WireError, http_date
+from geolimit.proxy.fast_wire import FastRequest, UpstreamHead, _WireError, http_date, status_phrase
 from geolimit.proxy.forwarding import DROPPED, HOP_BY_HOP, rebuilt_headers
 from geolimit.proxy.handler import _IDEMPOTENT, SMALL_BODY, Forwarder
 from geolimit.proxy.state import State, Upstream
@@ -99,7 +98,7 @@ def _client_head(head: UpstreamHead, extra: list[tuple[str, str]], empty: bool, 
     replaced = {name.lower() for name, _ in extra}
     drop_length = status in (204, 304) or not empty  # a HEAD answer keeps the upstream's length
     has_date = has_server = has_type = False
-    lines = [f"HTTP/1.1 {status} {head.reason or _phrase(status)}\r\n"]
+    lines = [f"HTTP/1.1 {status} {head.reason or status_phrase(status)}\r\n"]
     for name, lower, value in head.items:
         if lower in HOP_BY_HOP or lower.startswith("proxy-") or lower in named or lower in replaced or (
                 drop_length and lower == "content-length"):
@@ -146,13 +145,6 @@ def _upstream_head(req: FastRequest, peer: str | None, state: State) -> tuple[st
              rebuilt_headers(client_host, req.values, peer=peer, scheme="http", trusted=state.trusted)]
     tail.append("\r\n")
     return "".join(lines), client_host, "".join(tail)
-
-
-def _phrase(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return ""
 
 
 class FastForwarder:

@@ -28,12 +28,14 @@ from typing import cast
 
 from geolimit.proxy.decide import Local, local_problem
 from geolimit.proxy.fast_forward import FastForwarder, _Relay
+from geolimit.proxy.fast_upstream import LazyDeadline
 from geolimit.proxy.fast_wire import (
     FastRequest,
     http_date,
     parse_request_head,
     plausible_start,
     serialize_head,
+    status_phrase,
 )
 
 __all__ = ["HEAD_TIMEOUT", "KEEPALIVE_TIMEOUT", "MAX_HEAD", "FastProtocol", "FastServer"]
@@ -46,7 +48,7 @@ KEEPALIVE_TIMEOUT = 75.0
 _MAX_BUFFER = 256 * 1024  # pipelined bytes held while a request is served (then reading pauses)
 
 
-class FastProtocol(asyncio.Protocol):
+class FastProtocol(LazyDeadline, asyncio.Protocol):
     """One client connection on the fast path."""
 
     def __init__(self, server: FastServer) -> None:
@@ -170,7 +172,7 @@ class FastProtocol(asyncio.Protocol):
                    ("Server", self.server.server_software)]
         if self.closing(req):
             headers.append(("Connection", "close"))
-        reason = _reason(local.status)
+        reason = status_phrase(local.status)
         self.write(serialize_head(f"HTTP/1.1 {local.status} {reason}", headers) + local.body, False)
         return local.status
 
@@ -188,15 +190,6 @@ class FastProtocol(asyncio.Protocol):
         if not self._head_timer:
             self._head_timer = True
             self._arm(HEAD_TIMEOUT)
-
-    def _arm(self, timeout: float) -> None:
-        """A deadline ``timeout`` from now (one timer per connection, re-armed only when it fires)."""
-        self._deadline = self._loop.time() + timeout
-        if self._timer is None:
-            self._timer = self._loop.call_at(self._deadline, self._timed_out)
-        elif self._timer.when() > self._deadline:
-            self._timer.cancel()
-            self._timer = self._loop.call_at(self._deadline, self._timed_out)
 
     def _timed_out(self) -> None:
         self._timer = None
@@ -240,15 +233,6 @@ class FastProtocol(asyncio.Protocol):
         data, self._buf = self._buf, b""
         if data:
             handler.data_received(data)
-
-
-def _reason(status: int) -> str:
-    from http import HTTPStatus
-
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return ""
 
 
 class FastServer:

@@ -20,7 +20,7 @@ from yarl import URL
 from geolimit.proxy.fast_wire import ChunkedDecoder, UpstreamHead, _WireError, parse_response_head
 from geolimit.proxy.state import Upstream
 
-__all__ = ["BodyConsumer", "UpstreamConnection", "UpstreamPool"]
+__all__ = ["BodyConsumer", "LazyDeadline", "UpstreamConnection", "UpstreamPool"]
 
 MAX_HEAD = 64 * 1024
 IDLE_SECONDS = 15.0  # a pooled connection idle longer is closed (aiohttp's keepalive_timeout)
@@ -37,7 +37,29 @@ class BodyConsumer(Protocol):
     def body_done(self, exc: BaseException | None) -> None: ...
 
 
-class UpstreamConnection(asyncio.Protocol):
+class LazyDeadline:
+    """A moving deadline with one timer per connection: :meth:`_arm` sets it, and the timer is
+    re-armed only when it must fire sooner or fires before the deadline (the subclass's
+    ``_timed_out`` sees ``_deadline`` and calls the timer back when it is early)."""
+
+    _loop: asyncio.AbstractEventLoop
+    _timer: asyncio.TimerHandle | None
+    _deadline: float
+
+    def _timed_out(self) -> None:
+        raise NotImplementedError
+
+    def _arm(self, timeout: float) -> None:
+        """The deadline ``timeout`` from now."""
+        self._deadline = self._loop.time() + timeout
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._deadline, self._timed_out)
+        elif self._timer.when() > self._deadline:
+            self._timer.cancel()
+            self._timer = self._loop.call_at(self._deadline, self._timed_out)
+
+
+class UpstreamConnection(LazyDeadline, asyncio.Protocol):
     """One keep-alive connection to an upstream."""
 
     def __init__(self, pool: UpstreamPool, base: str) -> None:
@@ -271,15 +293,6 @@ class UpstreamConnection(asyncio.Protocol):
                 self.transport.abort()
         else:
             self.abort()
-
-    def _arm(self, timeout: float) -> None:
-        """A read deadline ``timeout`` from now (one timer per connection, re-armed only when it fires)."""
-        self._deadline = self._loop.time() + timeout
-        if self._timer is None:
-            self._timer = self._loop.call_at(self._deadline, self._timed_out)
-        elif self._timer.when() > self._deadline:
-            self._timer.cancel()
-            self._timer = self._loop.call_at(self._deadline, self._timed_out)
 
     def _timed_out(self) -> None:
         self._timer = None

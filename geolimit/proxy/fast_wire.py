@@ -21,11 +21,12 @@ import re
 import time
 from dataclasses import dataclass
 from email.utils import formatdate
+from http import HTTPStatus
 
 from multidict import CIMultiDict
 
 __all__ = ["ChunkedDecoder", "FastRequest", "UpstreamHead", "http_date",
-           "parse_request_head", "parse_response_head", "plausible_start", "serialize_head"]
+           "parse_request_head", "parse_response_head", "plausible_start", "serialize_head", "status_phrase"]
 
 _BAD_REQUEST_BYTE = re.compile(rb"[^\t\r\n\x20-\x7e]|\r(?!\n)|(?<!\r)\n")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
@@ -242,3 +243,11 @@ def serialize_head(first_line: str, headers: CIMultiDict[str] | list[tuple[str, 
     """A message head: the first line, the headers, the blank line (Latin-1)."""
     items = headers.items() if isinstance(headers, CIMultiDict) else headers
     return (first_line + "\r\n" + "".join([f"{k}: {v}\r\n" for k, v in items]) + "\r\n").encode("latin-1")
+
+
+def status_phrase(status: int) -> str:
+    """The standard reason phrase of ``status`` ("" for a code it does not know)."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
