@@ -8,7 +8,7 @@ import hashlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -16,6 +16,8 @@ from aiohttp import web
 from geolimit.proxy import Proxy
 from tests.server.helpers import dump_toml
 from tests.support.cli_process import CliProcess
+
+T = TypeVar("T")
 
 __all__ = ["ProxyProcess", "StartProxy", "Upstream", "body_chunks", "dump_toml", "proxy_config", "rss_bytes"]
 
@@ -211,6 +213,26 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS for {pid}")
+
+
+async def peak_rss_during(pid: int, work: Awaitable[T]) -> tuple[T, int]:
+    """``work``'s result and the highest resident set size of ``pid``, sampled every 10 ms while it ran."""
+    peak = rss_bytes(pid)
+    done = asyncio.Event()
+
+    async def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, rss_bytes(pid))
+            await asyncio.sleep(0.01)
+
+    sampler = asyncio.ensure_future(sample())
+    try:
+        result = await work
+    finally:
+        done.set()
+        await sampler
+    return result, peak
 
 
 class ProxyProcess(CliProcess):

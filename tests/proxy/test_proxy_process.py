@@ -20,6 +20,7 @@ from tests.proxy.helpers import (
     body_chunks,
     dump_toml,
     expected_sha256,
+    peak_rss_during,
     proxy_config,
     rss_bytes,
 )
@@ -75,22 +76,8 @@ async def test_streaming_100_mb_both_ways_keeps_the_proxy_memory_flat(
 
         assert (await echo(8 * MIB))[0] == 200  # warm up: pools, buffers, imports
         baseline = rss_bytes(proc.pid)
-        peak = baseline
-        done = asyncio.Event()
-
-        async def sample() -> None:
-            nonlocal peak
-            while not done.is_set():
-                peak = max(peak, rss_bytes(proc.pid))
-                await asyncio.sleep(0.01)
-
-        sampler = asyncio.ensure_future(sample())
         started = time.monotonic()
-        try:
-            status, digest, received = await echo(total)
-        finally:
-            done.set()
-            await sampler
+        (status, digest, received), peak = await peak_rss_during(proc.pid, echo(total))
         elapsed = time.monotonic() - started
     assert status == 200
     assert received == total
@@ -124,21 +111,8 @@ async def test_a_100_mb_download_on_the_fast_path_keeps_the_proxy_memory_flat(
                 return resp.status, digest.hexdigest(), received
 
         assert (await download(8 * MIB))[0] == 200
-        baseline = peak = rss_bytes(proc.pid)
-        done = asyncio.Event()
-
-        async def sample() -> None:
-            nonlocal peak
-            while not done.is_set():
-                peak = max(peak, rss_bytes(proc.pid))
-                await asyncio.sleep(0.01)
-
-        sampler = asyncio.ensure_future(sample())
-        try:
-            status, digest, received = await download(total)
-        finally:
-            done.set()
-            await sampler
+        baseline = rss_bytes(proc.pid)
+        (status, digest, received), peak = await peak_rss_during(proc.pid, download(total))
     assert (status, received) == (200, total)
     assert digest == expected_sha256(total)
     growth = peak - baseline
