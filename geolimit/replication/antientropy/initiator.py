@@ -156,7 +156,8 @@ class AntiEntropy(_Responder):
         now_us = int(self.clock() * 1_000_000)
         rules = {n: r for n, r in self.rules.items() if not r.escrow}  # escrow rules keep no cells
         # About 4 keys a leaf: a small keyspace gets a shallow tree (fewer round trips).
-        leaves = leaves_per_shard(self.layout.shards, min(self.total_leaves, await self._local._dbsize() // 4))
+        keys = await self._local._dbsize()
+        leaves = leaves_per_shard(self.layout.shards, min(self.total_leaves, keys // 4))
         request = {
             "op": "begin", "x": xid, "now": now_us, "shards": self.layout.shards, "leaves": leaves,
             "rules": [[n, r.window_us, r.resolution_us] for n, r in rules.items()],
@@ -174,7 +175,7 @@ class AntiEntropy(_Responder):
         result.rules = sorted(plan.rules)
         try:
             async with self._scans:
-                mine = await self._local.first_digests(plan, _Progress())
+                mine = await self._local.first_digests(plan, _Progress(), keys)
             result.scan_seconds, result.keys_scanned = mine.seconds, mine.keys
             differing = await self._descend(peer, xid, plan, mine, result, deadline)
             if differing:

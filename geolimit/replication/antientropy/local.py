@@ -276,9 +276,12 @@ class _Local:
             s1, s2, cells = s1 + int(reply[0]), s2 + int(reply[1]), cells + int(reply[2])
         return key_digest(key[len(self.layout.tag(shard)) + 1 :], s1 % P1, s2 % P2), cells
 
-    async def first_digests(self, plan: _Plan, progress: _Progress) -> _Digests:
-        """The first digest pass of an exchange: with the leaves below ``shards_first_keys`` keys."""
-        big = self.shards_first_keys is not None and await self._dbsize() >= self.shards_first_keys
+    async def first_digests(self, plan: _Plan, progress: _Progress, keys: int | None = None) -> _Digests:
+        """The first digest pass of an exchange: with the leaves below ``shards_first_keys`` keys
+        (``keys``: the keyspace's size, if the caller has just read it)."""
+        if keys is None and self.shards_first_keys is not None:
+            keys = await self._dbsize()
+        big = self.shards_first_keys is not None and keys is not None and keys >= self.shards_first_keys
         return await self.digests(plan, progress, leaves=not big)
 
     async def leaf_digests(self, plan: _Plan, into: _Digests, scope: bytes | None, progress: _Progress) -> None:
