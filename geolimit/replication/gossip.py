@@ -79,8 +79,7 @@ class GossipEngine(Sender):
         self.stats: dict[str, float] = dict.fromkeys(
             ("rounds", "round_seconds", "drained", "unknown_rule", "merged", "increased", "bad_values", "relayed",
              "dropped_old", "dropped_future", "own_ahead", "ae_runs", "ae_failed", "ae_cells", "ae_keys_repaired",
-             "wipes", "refused", "refused_by_peers", "pruned", "parked", "unparked", "slots_reclaimed",
-             "shards_failed"), 0.0
+             "wipes", "refused", "refused_by_peers", "pruned", "parked", "unparked", "slots_reclaimed"), 0.0
         )
         self.failed_shards: set[int] = set()  # shards whose Redis calls failed in the last drain
         self._reclaim_next = 0  # index into the owned shards of the next page to reclaim slots in
@@ -133,7 +132,6 @@ class GossipEngine(Sender):
 
     def _note_failed_shards(self, failed: dict[int, str]) -> None:
         """Shards whose Redis (a Cluster node) failed this round: the others' gossip goes on."""
-        self.stats["shards_failed"] = len(failed)
         if set(failed) != self.failed_shards:
             if failed:
                 log.warning("region %s: %d shards unreachable (gossip goes on for the others): %s",

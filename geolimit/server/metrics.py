@@ -91,7 +91,7 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("geolimit_gossip_values_skipped", "Stored values that were not exact integers (skipped when packing)", value=stats["bad_values"])
         yield CounterMetricFamily("geolimit_gossip_refused", "Peer messages whose cells were refused (bad input)", value=stats["refused"])
         yield CounterMetricFamily("geolimit_background_task_failures", "Background tasks that failed and were retried", value=engine.task_failures)
-        yield GaugeMetricFamily("geolimit_shards_unreachable", "Shards whose Redis (a Cluster node) failed in the last gossip round; the others' gossip goes on", value=stats["shards_failed"])
+        yield GaugeMetricFamily("geolimit_shards_unreachable", "Shards whose Redis (a Cluster node) failed in the last gossip round; the others' gossip goes on", value=len(engine.failed_shards))
         yield CounterMetricFamily("geolimit_redis_data_loss_detected", "Times this region's Redis lost shards' data", value=stats["wipes"])
 
 
