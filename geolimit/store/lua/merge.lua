@@ -333,6 +333,19 @@ local pnames = setmetatable({}, {__index = function(cache, x)
   cache[x] = name
   return name
 end})
+-- risen[u]: a rise field's value for a rise of u units (stamp and gap are this call's).
+local risen = setmetatable({}, {__index = function(cache, u)
+  local s = stamp .. fnames[u] .. gaps
+  cache[u] = s
+  return s
+end})
+-- nums[s]: a stored value's number (0 if it is not one): stored values repeat, and
+-- tonumber() (strtod) costs more than a table lookup.
+local nums = setmetatable({}, {__index = function(cache, s)
+  local v = tonumber(s) or 0
+  cache[s] = v
+  return v
+end})
 local o = 0  -- offset of key i's cells in cells
 for i = 1, n do
   local m = counts[i]
@@ -419,12 +432,12 @@ for i = 1, n do
             elseif name == 'e' then
               e = flat[x + 1]
             elseif k == 1 then
-              if name == n1 then sv[1] = tonumber(flat[x + 1]) or 0
-              elseif name == n2 then sw[1] = tonumber(flat[x + 1]) or 0 end
+              if name == n1 then sv[1] = nums[flat[x + 1]]
+              elseif name == n2 then sw[1] = nums[flat[x + 1]] end
             else
               local q = want[name]
               if q then
-                if q > 0 then sv[q] = tonumber(flat[x + 1]) or 0 else sw[-q] = tonumber(flat[x + 1]) or 0 end
+                if q > 0 then sv[q] = nums[flat[x + 1]] else sw[-q] = nums[flat[x + 1]] end
               end
             end
           end
@@ -498,16 +511,16 @@ for i = 1, n do
                 end
               end
             end
-            if v > 0 then write[nw + 1], write[nw + 2], nw = fnames[f], fmt(v), nw + 2 end
-            if w > 0 then write[nw + 1], write[nw + 2], nw = fnames[-f - 1], fmt(w), nw + 2 end
+            if v > 0 then write[nw + 1], write[nw + 2], nw = fnames[f], fnames[v], nw + 2 end
+            if w > 0 then write[nw + 1], write[nw + 2], nw = fnames[-f - 1], fnames[w], nw + 2 end
           end
         end
       end
       if nr > 0 then
-        write[nw + 1], write[nw + 2], nw = pnames[x1], stamp .. fnames[u1] .. gaps, nw + 2
+        write[nw + 1], write[nw + 2], nw = pnames[x1], risen[u1], nw + 2
         for y = 2, nr do
           local x = rslots[y]
-          write[nw + 1], write[nw + 2], nw = pnames[x], stamp .. fnames[rose[x]] .. gaps, nw + 2
+          write[nw + 1], write[nw + 2], nw = pnames[x], risen[rose[x]], nw + 2
           rose[x] = nil
         end
         nr = 0
