@@ -189,6 +189,8 @@ class GossipEngine(Sender):
             due = peer.last_attempt is None or peer.failures > 0 or now - peer.last_attempt >= self.settings.heartbeat
             wanted = -(-peer.unsent // per_message) if peer.unsent else (1 if due and not peer.flying else 0)
             free = [s for s in range(self.settings.window) if s not in peer.flying and s not in peer.unsettled]
+            if not peer.flying and peer.unsent:
+                peer.start_ramp(per_message)
             for slot in free[: max(0, min(wanted, window - len(peer.flying)))]:
                 peer.flying.add(slot)
                 self.spawn(self._send(peer, slot))

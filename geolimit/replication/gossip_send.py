@@ -80,6 +80,7 @@ class Sender(Receiver):
                 # a slow one gets smaller messages (see PeerState.resize).
                 limit = self.settings.probe_cells if peer.failures else peer.message_limit(self.settings)
                 async with peer.packing:
+                    limit = peer.ramp_limit(limit)
                     try:
                         packed = await self._collect(peer, slot, limit)
                     except BaseException:

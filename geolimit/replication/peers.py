@@ -32,6 +32,9 @@ class EngineSettings:
     anti_entropy: bool = True  # initiate exchanges (one worker per region does; every worker serves them)
 
 
+#: A burst's first message carries 1/RAMP_START of the message limit (PeerState.ramp_limit).
+RAMP_START = 8
+
 #: Exchanges whose clock samples are kept per peer (about 2 s of heartbeats when idle).
 CLOCK_SAMPLES = 8
 
@@ -98,12 +101,30 @@ class PeerState:
     unsettled: set[int] = field(default_factory=set)  # slots whose outcome could not be recorded
     cursor: int = 0  # shard the next message starts packing from (fairness)
     message_cells: int = 0  # cells per message for this peer while it is slow (0: the maximum)
+    ramp_cells: int = 0  # the next message's cap while a burst ramps up (0: none, see ramp_limit)
     # One message packs at a time: the first is sent (and merged by the peer) while the next packs.
     packing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def message_limit(self, settings: EngineSettings) -> int:
         """Cells per message to this peer now."""
         return self.message_cells or settings.max_cells_per_message
+
+    def start_ramp(self, limit: int) -> None:
+        """Nothing is in flight to this peer: the next messages ramp up to ``limit`` cells."""
+        self.ramp_cells = max(1, limit // RAMP_START)
+
+    def ramp_limit(self, limit: int) -> int:
+        """The cap of the next message of a burst, within ``limit``, and grow the ramp.
+
+        A burst (see :meth:`start_ramp`) sends first a message of an eighth of
+        ``limit``, then each one half as large again, up to ``limit``: the peer starts
+        merging after a short pack instead of a full one, and the next message packs
+        while it merges (packing a cell costs about as much as merging it).
+        """
+        cap = self.ramp_cells or limit
+        grown = cap + (cap + 1) // 2
+        self.ramp_cells = 0 if grown >= limit else grown
+        return min(cap, limit)
 
     def resize(self, settings: EngineSettings, cells: int, took: float | None) -> None:
         """Adapt the message size to this peer: halve it when a message of ``cells`` failed
