@@ -62,7 +62,7 @@ class EscrowHttpTransport:
         payload, reply_headers, seq = await post_signed(
             self._session, self._urls[peer], peer, body, self._signer, self._max_response,
             answer="an escrow answer", message="the escrow message")
-        self._verifier.verify_response(reply_headers, payload, expect_seq=seq, sender=peer)
+        await self._verifier.verify_response_async(reply_headers, payload, expect_seq=seq, sender=peer)
         reply = escrow_wire.decode(payload)
         if reply.sender != peer or reply.kind not in ("ack", "page"):
             raise ProtocolError(f"escrow answer from {peer} is not an ack or page from it")
@@ -101,7 +101,7 @@ def add_escrow_routes(app: web.Application, agent: EscrowAgent) -> None:
         if body is None:
             return _error(413, "too_large", f"escrow body over {cap} bytes")
         try:
-            auth = agent.verifier.authenticate(request.headers, body)
+            auth = await agent.verifier.authenticate_async(request.headers, body)
         except ClockSkewError as exc:
             return clock_refused(agent.engine, exc)
         except AuthenticationError as exc:

@@ -143,7 +143,7 @@ class HttpTransport:
         payload, reply_headers, seq = await post_signed(
             self._client(message.kind == "ae"), self._urls[peer], peer, body, self._signer, self._max_response)
         self.bytes_sent[peer] = self.bytes_sent.get(peer, 0) + len(body)
-        self._verifier.verify_response(reply_headers, payload, expect_seq=seq, sender=peer)
+        await self._verifier.verify_response_async(reply_headers, payload, expect_seq=seq, sender=peer)
         reply = wire.decode(payload)
         if reply.sender != peer:
             raise ProtocolError(f"response from {peer} claims to come from {reply.sender!r}")

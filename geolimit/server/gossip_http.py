@@ -50,7 +50,7 @@ def add_gossip_routes(app: web.Application, agent: GossipAgent) -> None:
             metrics.rejected.labels("too_large").inc()
             return _error(413, "too_large", f"gossip body over {cap} bytes")
         try:
-            auth = agent.verifier.authenticate(request.headers, body)
+            auth = await agent.verifier.authenticate_async(request.headers, body)
         except ClockSkewError as exc:
             metrics.rejected.labels("clock_skew").inc()
             return clock_refused(agent.engine, exc)

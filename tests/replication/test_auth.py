@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import AsyncIterator
 
@@ -14,6 +15,7 @@ from geolimit.replication.auth import (
     REGION,
     SEQ,
     SIGNATURE,
+    THREAD_HASH_BYTES,
     TIME,
     Signer,
     Verifier,
@@ -191,6 +193,37 @@ def test_responses_must_come_from_the_peer_asked_and_be_signed_for_us(clock: Clo
         at_a.verify_response({}, b"reply", seq, "b")
     with pytest.raises(AuthenticationError, match="bad signature"):
         at_a.verify_response(reply, b"forged reply", seq, "b")
+
+
+async def test_a_large_body_is_checked_off_the_event_loop_with_the_same_verdicts(clock: Clock) -> None:
+    body = bytes(range(256)) * (THREAD_HASH_BYTES // 256 * 32)  # 32 MiB: tens of ms of hashing
+    signer, at_b = Signer(SECRET, "a", clock), _verifier("b", clock)
+    headers = signer.headers(body, "b")
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    ticks = 0
+    try:
+        assert (await at_b.authenticate_async(headers, body)).sender == "a"
+        assert ticks >= 3  # the loop went on serving while the body was hashed
+    finally:
+        task.cancel()
+    with pytest.raises(AuthenticationError, match="bad signature"):
+        await at_b.authenticate_async(headers, body[:-1] + b"x")
+    with pytest.raises(AuthenticationError, match="bad signature"):
+        await _verifier("c", clock).authenticate_async(headers, body)  # addressed to b
+    seq = int(Signer(SECRET, "b", clock).headers(BODY, "a")[SEQ])
+    reply = signer.headers(body, "b", seq=seq, response=True)
+    assert await at_b.verify_response_async(reply, body, seq, "a") == "a"
+    with pytest.raises(AuthenticationError, match="bad signature"):
+        await at_b.verify_response_async(reply, body[1:] + b"x", seq, "a")
 
 
 # -- secrets and construction -----------------------------------------------------------
