@@ -80,6 +80,9 @@ async def test_a_dead_node_stops_only_its_shards_gossip(
                 return list((await reply.json())["shards_unreachable"])
 
         assert await unreachable(), "the status names the shards of the dead node"
+        async with http.get(rs["a"].agent.api_url + "/readyz") as reply:
+            # The live nodes' subjects are still decided: the agent stays in its load balancer.
+            assert reply.status == 200, await reply.text()
         async with http.get(rs["a"].agent.api_url + "/metrics") as reply:
             assert "geolimit_shards_unreachable" in await reply.text()
 
