@@ -146,11 +146,13 @@ def give(state: EscrowState, giver: str, receiver: str, amount: int, limit: int)
     return EscrowState(transfers, state.adverts)
 
 
-def advertise(state: EscrowState, region: str, used: int, demand: int, bucket: int) -> EscrowState:
-    """A new advert of ``region`` (version one above the last it knows)."""
+def advertise(state: EscrowState, region: str, used: int, demand: int, bucket: int, now_ms: int = 0) -> EscrowState:
+    """A new advert of ``region``: its version is one above the last it knows, and at least
+    ``now_ms`` (its clock): peers refuse versions further ahead of their clocks than the
+    auth window, so a version a peer forged ahead is passed within that window."""
     old = state.adverts.get(region, Advert())
     adverts = dict(state.adverts)
-    adverts[region] = Advert(old.version + 1, used, demand, bucket)
+    adverts[region] = Advert(max(old.version + 1, now_ms), used, demand, bucket)
     return EscrowState(state.transfers, adverts)
 
 

@@ -308,13 +308,14 @@ class EscrowReplicator:
                 continue
             by_shard.setdefault(self.layout.shard_of(subject), []).append(
                 (self.layout.data_key(rule.name, subject), rule, pairs))
+        now_us = self._now_us()
         if by_shard:
-            await self.store.check(by_shard)  # a key grown past what a message carries: refused
+            await self.store.check(by_shard, now_us)  # a key grown past what a message carries: refused
         if admit is not None:
             await admit()
         if not by_shard:
             return 0
-        changed = await self.store.merge(by_shard, self._now_us())
+        changed = await self.store.merge(by_shard, now_us)
         self.stats["merged"] += changed
         return changed
 

@@ -31,6 +31,8 @@ _DRAIN = load_script("escrow_drain")
 _GIVE = load_script("escrow_give")
 _MERGE = load_script("escrow_merge")
 
+#: Added to the clock tolerance for an advert's version (rounding, and the time a push travels).
+ADVERT_MARGIN_MS = 1000
 #: Keys taken from one shard's changed set per round.
 DRAIN_PER_SHARD = 500
 #: Keys a SCAN step looks at for a pull page.
@@ -68,11 +70,16 @@ class Held:
 
 
 class EscrowStore:
-    def __init__(self, store: AsyncStore, layout: KeyLayout, region: str, nonce: bytes) -> None:
+    def __init__(
+        self, store: AsyncStore, layout: KeyLayout, region: str, nonce: bytes, *, clock_tolerance: float = 30.0,
+    ) -> None:
         self.store = store
         self.layout = layout
         self.region = region
         self.nonce = nonce
+        #: A peer's advert version (its region's clock in ms when made, see escrow_give.lua) may be
+        #: this far ahead of ours: the gossip auth window, which bounds the peers' clock offsets.
+        self.advert_ahead_ms = round(clock_tolerance * 1000) + ADVERT_MARGIN_MS
 
     async def time_us(self) -> int:
         try:
@@ -152,10 +159,12 @@ class EscrowStore:
             out.append(Given(key, reply[0] == 2, int(reply[1]), int(reply[2]), _flat(reply[3:])))
         return out
 
-    async def check(self, by_shard: Mapping[int, list[tuple[bytes, Rule, list[tuple[bytes, bytes]]]]]) -> None:
-        """What needs Redis state (how many fields each key would hold), before anything is
-        written: :class:`ProtocolError` naming the reason."""
-        for reply in await self.store.run_many(_MERGE, self._merge_calls(by_shard, None, b"0")):
+    async def check(
+        self, by_shard: Mapping[int, list[tuple[bytes, Rule, list[tuple[bytes, bytes]]]]], now_us: int | None = None,
+    ) -> None:
+        """What needs Redis state or its clock (how many fields each key would hold, advert
+        versions), before anything is written: :class:`ProtocolError` naming the reason."""
+        for reply in await self.store.run_many(_MERGE, self._merge_calls(by_shard, now_us, b"0")):
             _raise_refusal(reply)
 
     async def merge(
@@ -175,7 +184,8 @@ class EscrowStore:
         calls = []
         for shard, items in by_shard.items():
             keys = [self.layout.registry_key(shard), *(key for key, _, _ in items)]
-            args = [b"" if now_us is None else b"%d" % now_us, self.region.encode(), self.nonce, apply]
+            args = [b"" if now_us is None else b"%d" % now_us, self.region.encode(), self.nonce, apply,
+                    b"%d" % self.advert_ahead_ms]
             for _, rule, pairs in items:
                 args += [b"%d" % rule.limit, b"%d" % rule.ttl_ms, b"%d" % len(pairs)]
                 for name, value in pairs:

@@ -168,7 +168,8 @@ class Agent:
         )
         return EscrowReplicator(
             cfg.region, [p.name for p in cfg.peers], EscrowStore(limiter.store, limiter.layout, cfg.region,
-                                                                 secrets.token_hex(3).encode()),
+                                                                 secrets.token_hex(3).encode(),
+                                                                 clock_tolerance=cfg.auth_window),
             limiter.rules, transport, owned=self.owned, interval=cfg.interval, timeout=cfg.timeout,
             pull_interval=cfg.anti_entropy_interval, now_us=micros_source(self._decision_clock) or (lambda: None),
             clock=self._clock,

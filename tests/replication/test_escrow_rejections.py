@@ -88,21 +88,33 @@ async def test_rights_are_exact_when_transfers_are_near_2_53(rs: Regions) -> Non
     assert sum(b.hit("login", "victim").allowed for _ in range(LOGIN.limit)) == held - 3  # 3 admitted before
 
 
-async def test_an_advert_version_at_the_top_of_the_range_does_not_stop_the_regions_pushes(rs: Regions) -> None:
-    # a says b's advert of victim is at version 2**53 - 1 (a valid value): b must not
-    # write version 2**53, which its peers refuse with every key pushed beside it.
-    status, _ = await _post(rs, _push([(b"login:victim", [b"a:b", b"%d:0:0:0" % MAX_VALUE])]))
+async def test_an_advert_version_ahead_of_the_clock_is_refused_and_one_within_it_is_passed(rs: Regions) -> None:
+    # A version is at least its region's clock in ms. a once said b's advert of victim
+    # was at version 2**53 - 1 (a valid number): b could never advertise that key again.
+    key = _key(rs, "b", b"victim")
+    before = dump_all(rs["b"].client())
+    status, body = await _post(rs, _push([(b"login:victim", [b"a:b", b"%d:0:0:0" % MAX_VALUE])]))
+    assert status == 400
+    assert b"ahead of this region's clock" in body
+    assert dump_all(rs["b"].client()) == before
+    # Up to the auth window ahead is a clock a peer may have: accepted, and passed by b's next advert.
+    now_ms = round(rs.clock() * 1000)
+    forged = now_ms + 30_000
+    status, _ = await _post(rs, _push([(b"login:victim", [b"a:b", b"%d:0:0:0" % forged])]))
     assert status == 200
+    assert int(rs["b"].client().hget(key, "a:b").split(b":")[0]) == forged
     b = rs["b"].app()
     for _ in range(3):
         b.hit("login", "victim")
         b.hit("login", "other")
         await rs.step()
     assert _failures(rs, "b") == {"a": (0, None), "c": (0, None)}
+    for region in NAMES:
+        version, used = (int(x) for x in rs[region].client().hget(_key(rs, region, b"victim"), "a:b").split(b":")[:2])
+        assert version > forged  # b's own advert again, everywhere
+        assert used == 6  # 3 before, 3 now
     for peer in ("a", "c"):
         assert rs[peer].client().hget(_key(rs, peer, b"other"), "a:b") is not None
-    version = int(rs["b"].client().hget(_key(rs, "b", b"victim"), "a:b").split(b":")[0])
-    assert version <= MAX_VALUE
 
 
 async def test_gifts_stop_at_the_largest_exact_integer_and_pushes_go_on(rs: Regions) -> None:

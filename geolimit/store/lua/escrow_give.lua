@@ -49,7 +49,9 @@ if demand > TOP then demand = TOP end  -- denied requests count too: any cost, a
 local b = bucket(now, res)
 local ad = st.ads[me]
 if (ad and ad[1] < TOP or not ad and st.shared < MAX_FIELDS) and (not ad or ad[2] ~= used or ad[3] ~= demand or (ad[4] ~= b and (used > 0 or demand > 0 or ad[2] > 0 or ad[3] > 0))) then
-  local version = ad and ad[1] + 1 or 1
+  -- one above the last, and at least this clock's milliseconds: a version a peer forged
+  -- ahead (escrow_merge.lua bounds it by the clock) is passed within the auth window
+  local version = math.max(ad and ad[1] + 1 or 1, math.floor(now / 1000))
   call('HSET', key, 'a:' .. me, fmt(version) .. ':' .. fmt(used) .. ':' .. fmt(demand) .. ':' .. fmt(b))
   changed = true
 end

@@ -7,19 +7,23 @@
 -- its pushes would be refused by every peer, and every decision reads them all.
 -- KEYS: registry, then the data keys.
 -- ARGV: now_us|'', me, nonce, apply ('0': check only, nothing is written; '1':
---   check, then write), then per data key: limit, ttl_ms, nfields, then nfields
---   name, value pairs.
+--   check, then write), ahead_ms, then per data key: limit, ttl_ms, nfields, then
+--   nfields name, value pairs.
+-- An advert's version is at least its region's clock in ms when it was made
+-- (escrow_give.lua): one more than ahead_ms past this clock is refused (a forged
+-- version at the top of the range froze that region's adverts of the key for good).
 -- Returns per data key the number of fields that changed (0 when checking only).
 local function fmt(x) return string.format('%d', x) end
 local MAX_FIELDS = 1024
 local match, sub = string.match, string.sub
 local now = clock(ARGV[1])
 local reg, me, nonce, apply = KEYS[1], ARGV[2], ARGV[3], ARGV[4] ~= '0'
+local newest = math.floor(now / 1000) + tonumber(ARGV[5])  -- the largest advert version accepted
 local function digits(v, max_len)
   return #v <= max_len and match(v, '^%d+$') ~= nil and tonumber(v) < 9007199254740992
 end
 -- check everything first
-local a = 5
+local a = 6
 for j = 2, #KEYS do
   local nf = tonumber(ARGV[a + 2])
   local held = 0
@@ -37,6 +41,9 @@ for j = 2, #KEYS do
       if not (x and digits(x, 16) and digits(y, 16) and digits(z, 16) and digits(w, 16)) then
         return redis.error_reply('escrow: bad advert value')
       end
+      if tonumber(x) > newest then
+        return redis.error_reply('escrow: advert ' .. f .. ' has version ' .. x .. ', ahead of this region\'s clock (ms) by more than the auth window')
+      end
     else
       return redis.error_reply('escrow: bad field name')
     end
@@ -52,7 +59,7 @@ if not apply then
   return out
 end
 local track = nil
-a = 5
+a = 6
 for j = 2, #KEYS do
   local key = KEYS[j]
   local limit, ttl, nf = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
