@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -28,6 +26,7 @@ from geolimit.replication.blob_check import vet_blob
 from geolimit.replication.blob_format import blobs_from_cells, pack_blob, unpack_blob
 from geolimit.replication.digest import live_range, partition_of
 from geolimit.replication.parking import ParkedCells
+from geolimit.replication.store_results import Drained, Limits, MergeResult, Packed
 from geolimit.replication.wire import Blob
 from geolimit.store.async_store import AsyncStore, checked_replies, surviving
 from geolimit.store.redis_store import describe_error
@@ -45,66 +44,8 @@ _RECLAIM = load_script("reclaim")
 #: In-flight message slots per peer (drain.lua forgets slots 0..7 of removed peers).
 MAX_WINDOW = 8
 
-
 #: Blob bytes vetted in Python between two yields of the event loop (about 7 ms of work).
 VET_YIELD_BYTES = 256 * 1024
-
-@dataclass(frozen=True)
-class Limits:
-    """Bounds on script work and on what a peer may send."""
-
-    drain_keys: int = 1000  # changed keys one drain call fans out
-    pack_keys: int = 2048  # outbox keys one pack call takes (pack_cells bounds the work too)
-    pack_cells: int = 2048  # cells one pack call puts in a blob
-    blob_cells: int = 4096  # cells a peer's blob may hold
-    new_slots: int = 16  # slot ids a blob may add to a shard's registry
-    max_slots: int = 256  # slot ids a shard's registry may hold
-    park_cells: int = 10_000  # cells ahead of the skew tolerance a shard keeps until their bucket comes
-    park_seconds: float = 60.0  # how far past the tolerance a cell may be and still be parked
-    unpark_cells: int = 1000  # parked cells one unpark call takes
-
-
-@dataclass(slots=True)
-class Drained:
-    own_slots: dict[int, str] = field(default_factory=dict)  # shard -> this region's slot id
-    changed_left: int = 0  # changed keys not yet fanned out (more than one call's worth)
-    taken: int = 0  # changed keys fanned out by this drain
-    pending: dict[str, dict[int, int]] = field(default_factory=dict)  # peer -> shard -> outbox keys
-    oldest_us: dict[str, int | None] = field(default_factory=dict)  # peer -> oldest queued change
-    #: Shards whose call failed (a Redis Cluster node down): drained next round.
-    failed: dict[int, str] = field(default_factory=dict)  # shard -> the error
-
-
-@dataclass(slots=True)
-class Packed:
-    blobs: list[Blob] = field(default_factory=list)
-    shards: dict[int, int] = field(default_factory=dict)  # shard -> keys it put in flight
-    keys: int = 0
-    cells: int = 0
-    left: dict[int, int] = field(default_factory=dict)  # shard -> outbox keys still queued
-    unknown: int = 0  # outbox keys of rules this agent does not know (dropped)
-    bad: int = 0  # stored values that were not exact integers (skipped)
-
-
-#: The counters of an accepted merge.lua reply, in order (after the leading 1).
-_MERGE_FIELDS = ("cells", "increased", "dropped_old", "dropped_future", "unknown_rule", "relayed", "own_ahead", "parked")
-
-
-@dataclass(slots=True)
-class MergeResult:
-    cells: int = 0
-    increased: int = 0
-    dropped_old: int = 0
-    dropped_future: int = 0
-    unknown_rule: int = 0
-    relayed: int = 0  # (key, peer) pairs queued for relay
-    own_ahead: int = 0  # repair mode: cells claiming more in this region's own slot (skipped)
-    parked: int = 0  # cells ahead of the skew tolerance, kept until their bucket comes (unpark)
-
-    def add(self, reply: Sequence[Any]) -> None:
-        """Add one accepted ``merge.lua`` reply (``{1, cells, ...}``; later fields may be absent)."""
-        for name, value in zip(_MERGE_FIELDS, reply[1:], strict=False):
-            setattr(self, name, getattr(self, name) + int(value))
 
 
 class ReplicationStore:
