@@ -152,7 +152,7 @@ for i = 1, #taken, 2 do
         for b = lo, c do
           local x = got[b - lo + 2]
           if x and b <= h and b > h - M then
-            local v = tonumber(x)
+            local v = numbers[x]
             -- an exact integer in [0, MAX_VALUE] (NaN fails v >= 0; v % 1 is 0 for integers only)
             if v and v >= 0 and v <= MAX_VALUE and v % 1 == 0 then
               cells[n4 + 1], cells[n4 + 2], cells[n4 + 3], cells[n4 + 4] = b, r0, v, 0
