@@ -214,12 +214,24 @@ def reserve(
     base = 0.0
     pool = 0.0
     if window is not None:
-        stalest = min((u for u in known_until.values() if now_us - u <= partition_after_us), default=None)
+        # The room and the count are split between the regions in contact: a partitioned
+        # peer's count is left out, and so is what policy share reserves for it.
+        stalest: int | None = None
+        gone = 0
+        away = 0.0
+        for region, until in known_until.items():
+            if now_us - until <= partition_after_us:
+                if stalest is None or until < stalest:
+                    stalest = until
+            else:
+                gone += counts.get(region, 0)
+                if partition == "share" and regions > 0 and limit / regions > counts.get(region, 0):
+                    away += limit / regions - counts.get(region, 0)
         if stalest is not None:
             mine = own_since(own, now_us, quantum_us(partition_after_us), stalest)
-            base = limit - window.weighted + mine
+            base = limit - window.weighted - away + mine
             # shares of the count as it was then: taking its share does not grow this region's
-            pool = window.total - mine
+            pool = window.total - gone - mine
             if pool <= 0:
                 pool = window.total
     split = base > 0 and window is not None and window.total > 0

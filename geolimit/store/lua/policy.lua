@@ -106,17 +106,32 @@ end
 local function reservation(info, slots, rises, own_region, limit, now, predict, partition, after, win)
   local owner, known, regions = info[1], info[2], info[3]
   local counts, rates, lasts = {}, {}, {}
+  for s, v in pairs(slots) do
+    local r = owner[s]
+    if r and r ~= own_region then counts[r] = (counts[r] or 0) + v end
+  end
   local base, pool = 0, 0
   if win then
-    local stalest = nil
+    -- the room and the count are split between the regions in contact: a partitioned
+    -- peer's count is left out, and so is what policy share reserves for it
+    local stalest, gone, away = nil, 0, 0
     for r, untl in pairs(known) do
-      if r ~= own_region and now - untl <= after and (stalest == nil or untl < stalest) then stalest = untl end
+      if r ~= own_region then
+        if now - untl <= after then
+          if stalest == nil or untl < stalest then stalest = untl end
+        else
+          gone = gone + (counts[r] or 0)
+          if partition == 1 and regions > 0 and limit / regions > (counts[r] or 0) then
+            away = away + (limit / regions - (counts[r] or 0))
+          end
+        end
+      end
     end
     if stalest then
       local mine = own_since(win[3], win[4], now, quantum(after), stalest)
-      base = limit - win[1] + mine
+      base = limit - win[1] - away + mine
       -- shares of the count as it was then: taking its share does not grow this region's
-      pool = win[2] - mine
+      pool = win[2] - gone - mine
       if pool <= 0 then pool = win[2] end
     end
   end
@@ -125,10 +140,6 @@ local function reservation(info, slots, rises, own_region, limit, now, predict, 
   -- contested: the room is gone within `after` at the rates it frees and is taken
   local fresh = split and base <= win[5] * after
   local contested = fresh or (split and base <= (win[5] + win[6]) * after)
-  for s, v in pairs(slots) do
-    local r = owner[s]
-    if r and r ~= own_region then counts[r] = (counts[r] or 0) + v end
-  end
   if predict then
     -- geolimit.core.policy.predicted_rate: a rise that arrived before the peer's
     -- counts were last current is over (the peer stopped on this key).
