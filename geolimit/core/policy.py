@@ -16,6 +16,9 @@ budget for what its peers have probably admitted since it last heard from them:
   reserved at least its share of the window's count of the room this region sees
   (plus this region's own admissions since the peers' counts were current, field
   'u': :class:`Quanta`), at most what its last rises admit while it is stale;
+  *contested* room (at most what the window frees and takes in ``partition_after``)
+  is split without that cap, among every peer in contact if the oldest bucket just
+  freed all of it, leaving this region at least one unit (see :func:`reserve`);
 * **partition policy** (``Rule.partition``), for a peer whose counts are older
   than ``Rule.partition_after``:
 
