@@ -16,6 +16,9 @@ from geolimit.core.policy import (
     Quanta,
     Reservation,
     Rise,
+    Window,
+    freeing,
+    intake,
     predicted_retry,
     quanta_add,
     quantum_us,
@@ -98,19 +101,18 @@ class ModelStore:
             region = parse_slot_id(slot)[0]
             if region != self.region:
                 rises.setdefault(region, []).append(rise)
-        window: tuple[float, int] | None = None
+        window: Window | None = None
         if rule.mode == "approximate":
             sums, _ = self.sums(rule, subject, now_us)
-            n = rule.buckets
-            weight = share(self.firsts(rule, subject, now_us)[n], current, rule.resolution_us, now_us)
-            window = (sum(sums[:n]) + oldest_part(sums[n], weight), sum(sums))
+            n, res = rule.buckets, rule.resolution_us
+            first = self.firsts(rule, subject, now_us)[n]
+            weighted = sum(sums[:n]) + oldest_part(sums[n], share(first, current, res, now_us))
+            window = Window(weighted, sum(sums), freeing(sums[n], first, res), intake(sums, now_us, res))
         found = reserve(
             limit=rule.limit, now_us=now_us, counts=counts, rises=rises, known_until=self.peer_known, regions=self.regions, predict=rule.predict,
             partition=rule.partition, partition_after_us=rule.partition_after_us,
             window=window, own=self.quanta.get((rule.name, subject)),
         )
-        if not found.units and not found.closed:
-            return Reservation(0.0, False)
         return found
 
     def peered(self, rule: Rule, subject: bytes, now_us: int) -> bool:

@@ -16,6 +16,9 @@ budget for what its peers have probably admitted since it last heard from them:
   reserved at least its share of the window's count of the room this region sees
   (plus this region's own admissions since the peers' counts were current, field
   'u': :class:`Quanta`), at most what its last rises admit while it is stale;
+  *contested* room (at most what the window frees and takes in ``partition_after``)
+  is split without that cap, among every peer in contact if the oldest bucket just
+  freed all of it, leaving this region at least one unit (see :func:`reserve`);
 * **partition policy** (``Rule.partition``), for a peer whose counts are older
   than ``Rule.partition_after``:
 
@@ -31,12 +34,16 @@ were last current (in the clock decisions use) and how many regions there are.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
+
+from geolimit.core.window import MARGIN, SUBSTEPS
 
 __all__ = [
-    "PARTITION_POLICIES", "QUANTA", "Quanta", "Reservation", "Rise", "own_since", "predicted_rate", "predicted_retry",
-    "quanta_add", "quantum_us", "reserve",
+    "PARTITION_POLICIES", "QUANTA", "Quanta", "Reservation", "Rise", "Window", "freeing", "intake", "own_since",
+    "predicted_rate", "predicted_retry", "quanta_add", "quantum_us", "reserve",
 ]
 
 PARTITION_POLICIES = ("local", "share", "closed")
@@ -83,6 +90,21 @@ def own_since(quanta: Quanta | None, now_us: int, q_us: int, since_us: int) -> f
         elif hi > since_us and hi > lo:
             total += count * (hi - since_us) / (hi - lo)
     return total
+
+
+def freeing(count: int, first: int, resolution_us: int) -> float:
+    """Approximate mode: how fast the oldest bucket's ``count`` units free room, in units
+    per µs (the slope of :func:`~geolimit.core.window.oldest_part` while it is below
+    ``count``; ``first`` is the bucket's first-admission offset, as in
+    :func:`~geolimit.core.window.share`)."""
+    if count <= 0:
+        return 0.0
+    if first >= SUBSTEPS:
+        first = -1
+    span = resolution_us - (first + 1) * resolution_us / SUBSTEPS
+    if span <= 0:
+        return 0.0
+    return (count + MARGIN * math.sqrt(count)) / span
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +154,22 @@ def predicted_retry(retry_us: int, plain_retry_us: int, predicted_until_us: int,
     return min(retry_us, max(plain_retry_us, predicted_until_us - now_us))
 
 
+class Window(NamedTuple):
+    """Approximate mode: what :func:`reserve` needs of the window (``hit.lua``'s ``win``)."""
+
+    weighted: float  # the weighted count, without any reserve
+    total: int  # the plain total of the window's buckets
+    freeing: float  # how fast the oldest bucket frees room (units per µs, :func:`freeing`)
+    intake: float  # how fast the window took units lately (:func:`intake`)
+
+
+def intake(sums: Sequence[int], now_us: int, resolution_us: int) -> float:
+    """Units per µs the window took lately: the current and the previous bucket's totals
+    over the time since the previous bucket began (``sums`` as
+    :func:`~geolimit.core.window.window_sums` returns them, at least two buckets)."""
+    return (sums[0] + sums[1]) / (now_us - (now_us // resolution_us - 1) * resolution_us)
+
+
 def reserve(
     *,
     limit: int,
@@ -143,24 +181,33 @@ def reserve(
     predict: bool,
     partition: str,
     partition_after_us: int,
-    window: tuple[float, int] | None = None,
+    window: Window | None = None,
     own: Quanta | None = None,
 ) -> Reservation:
     """What to reserve for peers.
 
     ``counts`` is each peer region's count in the window, ``rises`` the last rise
-    of each of its slots (see :func:`predicted_rate`); ``known_until`` maps every peer to the time its counts were last current;
-    ``regions`` counts all regions.
+    of each of its slots (see :func:`predicted_rate`); ``known_until`` maps every
+    peer to the time its counts were last current; ``regions`` counts all regions.
 
-    Approximate mode (``window``: the weighted count without any reserve, and the plain
-    total of the window's buckets) also splits the room: every region sees the same
+    Approximate mode (``window``) also splits the room: every region sees the same
     room free up at the same moment, and a peer denied until then has no rise to
     predict from. The room this region would see without its own admissions since
     the stalest peer's counts were current (``own``: its record of them) is split by
-    the regions' shares of the window's count; a peer is reserved its share, at most
-    what its rises of the last ``partition_after`` would admit while its counts are
-    stale (a peer with no recent rise has no demand to reserve for). The more of the
-    two predictions counts.
+    the regions' shares of the window's count.
+
+    * *Contested room*: the room is at most what the window frees and takes in
+      ``partition_after`` (``window.freeing``, ``window.intake``): whoever wants it
+      races for it. A peer is reserved its share, uncapped, if it rose within the
+      last ``partition_after``, or whatever its last rise if all of the room was
+      freed by the oldest bucket within ``partition_after`` (*fresh*: the window was
+      full, so a silent peer may only have been denied). Together the peers are
+      reserved at most the room less one unit, so that the last unit goes to someone
+      (each region may take one unit when its share is less: at most ``R - 1`` over).
+    * Otherwise (standing room), a peer is reserved its share at most what its rises
+      of the last ``partition_after`` would admit while its counts are stale (a peer
+      with no recent rise has no demand to reserve for), or its predicted rate times
+      its staleness, whichever is more.
     """
     units = 0.0
     closed = False
@@ -168,12 +215,32 @@ def reserve(
     ends = 0
     falls: int | None = None
     base = 0.0
+    pool = 0.0
     if window is not None:
-        stalest = min((u for u in known_until.values() if now_us - u <= partition_after_us), default=None)
+        # The room and the count are split between the regions in contact: a partitioned
+        # peer's count is left out, and so is what policy share reserves for it.
+        stalest: int | None = None
+        gone = 0
+        away = 0.0
+        for region, until in known_until.items():
+            if now_us - until <= partition_after_us:
+                if stalest is None or until < stalest:
+                    stalest = until
+            else:
+                gone += counts.get(region, 0)
+                if partition == "share" and regions > 0 and limit / regions > counts.get(region, 0):
+                    away += limit / regions - counts.get(region, 0)
         if stalest is not None:
             mine = own_since(own, now_us, quantum_us(partition_after_us), stalest)
-            base = limit - window[0] + mine
-    split = base > 0 and window is not None and window[1] > 0
+            base = limit - window.weighted - away + mine
+            # shares of the count as it was then: taking its share does not grow this region's
+            pool = window.total - gone - mine
+            if pool <= 0:
+                pool = window.total
+    split = base > 0 and window is not None and window.total > 0
+    fresh = split and window is not None and base <= window.freeing * partition_after_us
+    contested = fresh or (split and window is not None and base <= (window.freeing + window.intake) * partition_after_us)
+    shared = 0.0
     for region, until in known_until.items():
         stale = now_us - until if now_us > until else 0
         if stale > partition_after_us:
@@ -187,12 +254,17 @@ def reserve(
         elif predict and stale > 0:
             rate = predicted_rate(rises.get(region, ()), until)
             held = rate * stale
-            if split and window is not None:
-                recent = [r for r in rises.get(region, ()) if r.at_us >= now_us - partition_after_us]
+            recent = [r for r in rises.get(region, ()) if r.at_us >= now_us - partition_after_us] if split else []
+            if contested and window is not None and (fresh or recent):
+                held = counts.get(region, 0) / pool * base
+                if held > 0:  # it moves with the room, continuously
+                    falls = now_us
+                shared += held
+            elif split and window is not None:
                 last = 0.0
                 for rise in recent:
                     last += rise.units / rise.gap_us
-                part = counts.get(region, 0) / window[1] * base
+                part = counts.get(region, 0) / pool * base
                 if part > last * stale:
                     part = last * stale
                 if part > held:
@@ -208,6 +280,9 @@ def reserve(
             ends = max(ends, until + partition_after_us + 1)
             if rate > 0 and (falls is None or until + partition_after_us + 1 < falls):
                 falls = until + partition_after_us + 1
+    if shared > 0 and shared > base - 1:  # the last unit of the room goes to someone
+        cut = shared - (base - 1 if base > 1 else 0)
+        units, predicted = units - cut, predicted - cut
     if partition != "local":
         predicted, ends = 0.0, 0  # the share/closed policy takes over afterwards: no cap
     return Reservation(units, closed, predicted, ends, falls)

@@ -103,3 +103,72 @@ async def test_decisions_with_peers_match_the_model(
                               for p, r in model.rises.get((rule.name, subject), {}).items())
                 event(f"pred: {'predicted' if held.predicted else 'nothing predicted'}"
                       f"{', a stopped peer' if stopped else ''}")
+
+
+ROOM = Rule("room", 100, 10, 1, mode="approximate")  # partition_after 1 s
+
+
+@pytest.mark.parametrize(("rise_ago_us", "own_old"), [(900_000, 30), (1_100_000, 30), (900_000, 34), (400_000, 0)])
+async def test_contested_room_is_split_alike(redis_url: str, rise_ago_us: int, own_old: int) -> None:
+    """The split of contested room (hypothesis above seldom fills a window that far):
+    north, east and west admitted ``own_old``, 30 and 30 in one bucket; east and west rose
+    by 5 each since; 10.5 s later half that bucket has left the window. North then hits
+    40 times in a row with no news from its peers: fresh room shared with every peer,
+    uncapped, down to the last unit; and (``own_old`` 0, the bucket 10 s old not yet
+    leaving) the window filling faster than partition_after, shared with the peers that
+    rose. Lua and the model agree on every decision."""
+    clock = ManualClock(1_700_000_000.0)
+    limiter = AsyncLimiter.from_url(redis_url, region="north", rules=[ROOM], clock=clock)
+    store = ReplicationStore(limiter.store, limiter.layout, "north", limiter.rules, b"n0", now_us=clock.now_us,
+                             peers=PEERS)
+    try:
+        await limiter.store.client().flushdb()
+        subject = secrets.token_bytes(8)
+        model = ModelStore("north", regions=3)
+        start = clock.now_us()
+
+        async def ages(east: int, west: int) -> None:
+            await store.drain(peer_ages={"east": east, "west": west})
+            model.peer_known = {"east": clock.now_us() - east, "west": clock.now_us() - west}
+
+        async def remote(peer: str, count: int, gap_us: int) -> None:
+            now = clock.now_us()
+            bucket = now // ROOM.resolution_us
+            value = count * SUBSTEPS + 3
+            cells = [(ROOM.name, subject, bucket, f"{peer}/i1", value, 0)]
+            await store.merge_blobs(blobs_from_cells(limiter.layout, cells), peer, gap_us=gap_us)
+            model.merge(ROOM.name, subject, {bucket: {f"{peer}/i1": Cell(value, 0)}}, now_us=now, gap_us=gap_us)
+
+        async def hit() -> bool:
+            got = await limiter.hit(ROOM.name, subject, 1)
+            (want,) = model.hit([ROOM], subject, 1, clock.now_us())
+            assert got.results[0] == to_rule_decision(ROOM, want)
+            return got.allowed
+
+        await ages(0, 0)
+        if own_old:
+            for _ in range(own_old):
+                await hit()
+                clock.advance_us(1)
+            await remote("east", 30, 0)
+            await remote("west", 30, 0)
+        clock.set_us(start + 10_500_000 - rise_ago_us)
+        if not own_old:  # a window filling now: 96 of 100 units within the last half second
+            await remote("east", 40, 100_000)
+            await remote("west", 40, 100_000)
+            for _ in range(10):
+                await hit()
+            clock.set_us(start + 10_400_000 - rise_ago_us + 100_000)
+        await remote("east", 5 if own_old else 43, 100_000)  # the bucket's count: a rise of 5, or of 3
+        await remote("west", 5 if own_old else 43, 100_000)
+        clock.set_us(start + 10_500_000)
+        await ages(200_000, 200_000)
+        held = model.reservation(ROOM, subject, clock.now_us())
+        assert held.predicted > 0, "the peers are reserved a share"
+        admitted = 0
+        for _ in range(40):
+            admitted += await hit()
+            clock.advance_us(1)
+        assert admitted >= 1, "the last unit goes to someone"
+    finally:
+        await limiter.aclose()

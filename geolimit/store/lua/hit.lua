@@ -155,7 +155,9 @@ for _ = 1, tonumber(ARGV[4]) do
           for d = 0, N - 1 do count = count + sums[d] end
           for d = 0, N do total = total + sums[d] end
           uq, ucs = quanta(u)
-          win = {count + oldest_part(sums[N], share(firsts[N], c, res, gnow)), total, uq, ucs}
+          -- (N >= 1: sums[1] exists; the intake is geolimit.core.policy.intake)
+          win = {count + oldest_part(sums[N], share(firsts[N], c, res, gnow)), total, uq, ucs,
+                 freeing(sums[N], firsts[N], res), (sums[0] + sums[1]) / (gnow - (c - 1) * res)}
           if not predict then ucs = nil end
         end
         reserve, closed, predicted, ends, falls = reservation(info, slots or {}, rises or {}, region, limit, gnow,

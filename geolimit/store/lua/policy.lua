@@ -61,6 +61,16 @@ local function quanta_add(q, cs, now, Q, cost)
   return string.format('%d', qn) .. ' ' .. table.concat(out, ' ')
 end
 
+-- Approximate mode: how fast the oldest bucket's n units free room (units per µs, as
+-- oldest_part() falls while it is below n; geolimit.core.policy.freeing).
+local function freeing(n, first, res)
+  if n <= 0 then return 0 end
+  if first >= SUB then first = -1 end
+  local span = res - (first + 1) * res / SUB
+  if span <= 0 then return 0 end
+  return (n + MARGIN * math.sqrt(n)) / span
+end
+
 -- Does a key hold counts (or rises, see load_window) of any slot but this region's current one?
 local function has_remote(slots)
   return next(slots) ~= nil
@@ -89,24 +99,47 @@ end
 -- a partitioned peer closes the rule. slots: slot index -> count in the window;
 -- rises: slot index -> {at, units, gap} (see load_window). Approximate mode:
 -- win = {weighted count without reserve, plain total of the window, field 'u' as
--- quanta() reads it: q, cs} (the room is split by the regions' shares of the
--- count, see reserve()).
+-- quanta() reads it: q, cs, how fast the oldest bucket frees room (freeing()), how
+-- fast the window took units lately (units per µs, geolimit.core.policy.intake)}
+-- (the room is split by the regions' shares of the count; contested room, at most
+-- what the window frees and takes in `after`, without a cap; see reserve()).
 local function reservation(info, slots, rises, own_region, limit, now, predict, partition, after, win)
   local owner, known, regions = info[1], info[2], info[3]
   local counts, rates, lasts = {}, {}, {}
-  local base = 0
-  if win then
-    local stalest = nil
-    for r, untl in pairs(known) do
-      if r ~= own_region and now - untl <= after and (stalest == nil or untl < stalest) then stalest = untl end
-    end
-    if stalest then base = limit - win[1] + own_since(win[3], win[4], now, quantum(after), stalest) end
-  end
-  local split = base > 0 and win and win[2] > 0
   for s, v in pairs(slots) do
     local r = owner[s]
     if r and r ~= own_region then counts[r] = (counts[r] or 0) + v end
   end
+  local base, pool = 0, 0
+  if win then
+    -- the room and the count are split between the regions in contact: a partitioned
+    -- peer's count is left out, and so is what policy share reserves for it
+    local stalest, gone, away = nil, 0, 0
+    for r, untl in pairs(known) do
+      if r ~= own_region then
+        if now - untl <= after then
+          if stalest == nil or untl < stalest then stalest = untl end
+        else
+          gone = gone + (counts[r] or 0)
+          if partition == 1 and regions > 0 and limit / regions > (counts[r] or 0) then
+            away = away + (limit / regions - (counts[r] or 0))
+          end
+        end
+      end
+    end
+    if stalest then
+      local mine = own_since(win[3], win[4], now, quantum(after), stalest)
+      base = limit - win[1] - away + mine
+      -- shares of the count as it was then: taking its share does not grow this region's
+      pool = win[2] - gone - mine
+      if pool <= 0 then pool = win[2] end
+    end
+  end
+  local split = base > 0 and win and win[2] > 0
+  -- fresh: the oldest bucket freed all of the room within `after` (the window was full);
+  -- contested: the room is gone within `after` at the rates it frees and is taken
+  local fresh = split and base <= win[5] * after
+  local contested = fresh or (split and base <= (win[5] + win[6]) * after)
   if predict then
     -- geolimit.core.policy.predicted_rate: a rise that arrived before the peer's
     -- counts were last current is over (the peer stopped on this key).
@@ -123,6 +156,7 @@ local function reservation(info, slots, rises, own_region, limit, now, predict, 
     end
   end
   local units, closed, predicted, ends, falls = 0, false, 0, 0, nil
+  local shared = 0
   for r, untl in pairs(known) do
     if r ~= own_region then
       local stale = now - untl
@@ -138,9 +172,14 @@ local function reservation(info, slots, rises, own_region, limit, now, predict, 
       elseif predict and stale > 0 then
         local rate = rates[r] or 0
         local held = rate * stale
-        if split then
+        if contested and (fresh or lasts[r]) then
+          -- its share, uncapped: a peer that rose lately, or any peer if the room is fresh
+          held = (counts[r] or 0) / pool * base
+          if held > 0 then falls = now end  -- it moves with the room, continuously
+          shared = shared + held
+        elseif split then
           local l = lasts[r]
-          local part = (counts[r] or 0) / win[2] * base
+          local part = (counts[r] or 0) / pool * base
           local cap = (l and l[1] or 0) * stale
           if part > cap then part = cap end
           if part > held then held = part end
@@ -155,6 +194,12 @@ local function reservation(info, slots, rises, own_region, limit, now, predict, 
         if rate > 0 and (not falls or untl + after + 1 < falls) then falls = untl + after + 1 end
       end
     end
+  end
+  -- Together the shares leave at least one unit of the room (when there is one): else
+  -- with every share below a unit nobody would take the last ones (at most R - 1 over).
+  if shared > 0 and shared > base - 1 then
+    local cut = shared - (base > 1 and base - 1 or 0)
+    units, predicted = units - cut, predicted - cut
   end
   if partition ~= 0 then predicted, ends = 0, 0 end  -- the share/closed policy takes over afterwards: no cap
   return units, closed, predicted, ends, falls
