@@ -170,9 +170,10 @@ def encode_batch(transactions: Sequence[Transaction], now_us: int | None, region
         body: list[bytes] = []
         nkeys = 0
         reply_at = 1
+        single = len(tx.requests) == 1 and not any(rule.escrow for rule in tx.requests[0].rules)
         for request, enforced in zip(tx.requests, tx.enforced, strict=True):
             meta += (b"1" if enforced else b"0", b"%d" % (5 + len(body)), b"%d" % reply_at)
-            body += request.args
+            body += (b"1", *request.args[1:]) if single else request.args  # one pass, consuming (script.py)
             keys += request.keys
             nkeys += len(request.keys)
             reply_at += 1 + REPLY_PER_RULE * len(request.rules)
