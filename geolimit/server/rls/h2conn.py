@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import hpack
-from hpack import HPACKError
+from hpack import HPACKError, OversizedHeaderListError
 
 from geolimit.server.rls import h2wire as w
 from geolimit.server.rls.h2control import ConnectionError_, control
@@ -264,6 +264,8 @@ class H2Connection(asyncio.Protocol):
             static = w.leaves_table_unchanged(block)
             try:
                 fields = self._decoder.decode(block, raw=True)
+            except OversizedHeaderListError:
+                raise ConnectionError_(Error.ENHANCE_YOUR_CALM, "header list too large") from None
             except HPACKError as exc:
                 raise ConnectionError_(Error.COMPRESSION_ERROR, f"header block: {exc}") from None
             head = w.read_head(cast(list[tuple[bytes, bytes]], fields))
