@@ -173,6 +173,20 @@ async def test_a_message_over_the_limit_is_refused_before_it_is_buffered(agent: 
     assert (await raw.answer(raw.call(rls_request()))).status == OK_STATUS
 
 
+async def test_unfinished_requests_over_8_mib_on_a_connection_lose_the_largest(agent: Agent, raw: Raw) -> None:
+    sids = [raw.stream() for _ in range(3)]
+    declared = b"\x00" + (h2c.MAX_MESSAGE - 10).to_bytes(4, "big")
+    for n, sid in enumerate(sids):
+        raw.send(frame(FrameType.HEADERS, END_HEADERS, sid, raw.block(request_fields())))
+        chunk = declared + b"x" * (16384 - 5)
+        raw.send(*(frame(FrameType.DATA, 0, sid, chunk if i == 0 else b"x" * 16384) for i in range(180 + n)))
+    # 2.9-3.0 MB each: the third one's last frames pass 8 MiB, when the second holds the most
+    assert (await raw.answer(sids[1])).status == RESOURCE_EXHAUSTED
+    assert (await raw.answer(raw.call(rls_request()))).status == OK_STATUS
+    assert not raw.ended & {sids[0], sids[2]}, "the others go on"
+    await healthy(agent)
+
+
 @pytest.mark.parametrize(("body", "status"), [
     (b"", UNIMPLEMENTED),  # no message
     (grpc_message(rls_request(), flag=1), UNIMPLEMENTED),  # compressed

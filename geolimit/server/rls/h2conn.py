@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import cast
 
 import hpack
@@ -13,6 +12,7 @@ from hpack import HPACKError, OversizedHeaderListError
 
 from geolimit.server.rls import h2wire as w
 from geolimit.server.rls.h2control import ConnectionError_, control
+from geolimit.server.rls.h2send import Answering, Limits, Stream
 from geolimit.server.rls.h2wire import Error, FrameType
 
 __all__ = ["H2Connection", "Limits"]
@@ -22,33 +22,11 @@ log = logging.getLogger("geolimit.agent")
 _CONN_WINDOW = 1 << 20  # the connection's receive window (raised from 65,535 at start)
 _MAX_BLOCK = 64 * 1024  # encoded header block (HEADERS + CONTINUATION) bytes before the connection is dropped
 _MAX_DECODED = 256 * 1024  # decoded header list bytes before the connection is dropped (HPACK bombs)
-_MAX_BUFFERED = 8 << 20  # request bytes held per connection before its window is no longer replenished
-_MAX_OUT = 1 << 20  # answer bytes queued per connection (a reader that stops reading) before it stops being read
-_UNAVAILABLE, _UNIMPLEMENTED, _RESOURCE_EXHAUSTED, _INTERNAL = 14, 12, 8, 13
+_MAX_BUFFERED = 8 << 20  # request bytes held per connection: past it, the largest unfinished request is refused
+_UNIMPLEMENTED, _RESOURCE_EXHAUSTED, _INTERNAL = 12, 8, 13
 
 
-@dataclass(frozen=True)
-class Limits:
-    max_message: int
-    max_header_list: int
-    max_streams: int
-    frame_timeout: float
-
-
-class _Stream:
-    __slots__ = ("body", "ended", "handed", "pending", "recv_window", "send_window", "trailers")
-
-    def __init__(self, send_window: int, recv_window: int) -> None:
-        self.body = b""
-        self.ended = False  # the client's END_STREAM arrived
-        self.handed = False  # the request went to the handler
-        self.recv_window = recv_window
-        self.send_window = send_window
-        self.pending = b""  # DATA payload waiting for the peer's windows
-        self.trailers = b""  # the trailers block to send after ``pending``
-
-
-class H2Connection(asyncio.Protocol):
+class H2Connection(Answering, asyncio.Protocol):
     """Server side of one connection; ``dispatch(conn, stream, request)`` gets each complete request."""
 
     def __init__(self, method: bytes, dispatch: Callable[[H2Connection, int, bytes], None], limits: Limits,
@@ -63,7 +41,7 @@ class H2Connection(asyncio.Protocol):
         self._buf = bytearray()
         self._preface = False
         self._settings_seen = False
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, Stream] = {}
         self._last = 0  # the highest stream id the client opened
         self._cont: tuple[int, int] | None = None  # (stream, flags of its HEADERS) while CONTINUATION is due
         self._block = bytearray()
@@ -76,9 +54,8 @@ class H2Connection(asyncio.Protocol):
         self._send_window = w.DEFAULT_WINDOW
         self._peer_window = w.DEFAULT_WINDOW  # SETTINGS_INITIAL_WINDOW_SIZE of the peer
         self._peer_frame = w.DEFAULT_MAX_FRAME
-        self._blocked: dict[int, _Stream] = {}  # streams whose answer waits for a window
+        self._blocked: dict[int, Stream] = {}  # streams whose answer waits for a window
         self._out: list[bytes] = []
-        self._out_size = 0
         self._paused = False
         self._draining = False
         self.closed = False
@@ -144,7 +121,10 @@ class H2Connection(asyncio.Protocol):
             log.exception("rate limit service: HTTP/2 connection failed")
             self._die(Error.INTERNAL_ERROR, "internal error")
             return
-        if self._unacked >= _CONN_WINDOW // 4 and self._buffered <= _MAX_BUFFERED:
+        while self._buffered > _MAX_BUFFERED:  # memory stays bounded, and no stream waits for a window forever
+            sid = max(self._streams, key=lambda s: len(self._streams[s].body))
+            self.fail(sid, _RESOURCE_EXHAUSTED, "too much request data on this connection")
+        if self._unacked >= _CONN_WINDOW // 4:
             self._replenish()
         if buf or self._cont is not None:
             if not self._partial_since:
@@ -283,8 +263,9 @@ class H2Connection(asyncio.Protocol):
             elif sid not in self._blocked:
                 self._forget(sid, stream)
             return
-        if sid <= self._last:
-            raise ConnectionError_(Error.PROTOCOL_ERROR, f"HEADERS on closed stream {sid}")
+        if sid <= self._last:  # a stream closed here (answered early, or reset): its block was still decoded
+            self._write(w.rst_stream(sid, Error.STREAM_CLOSED))
+            return
         self._last = sid
         if self._draining:
             self._write(w.rst_stream(sid, Error.REFUSED_STREAM))
@@ -292,7 +273,7 @@ class H2Connection(asyncio.Protocol):
         if len(self._streams) >= self._limits.max_streams:
             self._write(w.rst_stream(sid, Error.REFUSED_STREAM))
             return
-        stream = self._streams[sid] = _Stream(self._peer_window, self._stream_window)
+        stream = self._streams[sid] = Stream(self._peer_window, self._stream_window)
         stream.ended = bool(flags & w.END_STREAM)
         if head.malformed:
             self._reset(sid, Error.PROTOCOL_ERROR)
@@ -309,7 +290,7 @@ class H2Connection(asyncio.Protocol):
         elif stream.ended:
             self._request(sid, stream)
 
-    def _request(self, sid: int, stream: _Stream) -> None:
+    def _request(self, sid: int, stream: Stream) -> None:
         """The request is complete: one uncompressed message goes to the handler."""
         body = stream.body
         stream.body = b""
@@ -322,77 +303,6 @@ class H2Connection(asyncio.Protocol):
             stream.handed = True
             self._dispatch(self, sid, body[5:])
 
-    # -- answers -----------------------------------------------------------------------
-
-    def answer(self, sid: int, message: bytes) -> None:
-        stream = self._streams.get(sid)
-        if stream is None or self.closed or stream.pending or stream.trailers:
-            return  # reset, answered already, or the connection is gone
-        stream.handed = True
-        n = len(message) + 5
-        if n <= stream.send_window and n <= self._send_window and n <= self._peer_frame:
-            stream.send_window -= n
-            self._send_window -= n
-            self._write(w.answer_frames(sid, message))
-            self._done(sid, stream)
-        else:
-            self._write(w.frame(FrameType.HEADERS, w.END_HEADERS, sid, w.RESPONSE_BLOCK))
-            stream.pending = b"\x00" + len(message).to_bytes(4, "big") + message
-            stream.trailers = w.OK_TRAILERS
-            self._blocked[sid] = stream
-            self._pump(sid, stream)
-
-    def fail(self, sid: int, code: int, details: str, http_status: int = 200) -> None:
-        stream = self._streams.get(sid)
-        if stream is None or self.closed or stream.pending or stream.trailers:
-            return
-        stream.handed = True
-        self._buffered -= len(stream.body)
-        stream.body = b""
-        self._write(w.trailers_only(sid, code, details, http_status))
-        self._done(sid, stream)
-
-    def _done(self, sid: int, stream: _Stream) -> None:
-        """The answer is sent: the stream closes, or is reset (NO_ERROR) if the client is still sending."""
-        if stream.ended:
-            self._forget(sid, stream)
-        else:
-            self._reset(sid, Error.NO_ERROR)
-
-    def _pump(self, sid: int, stream: _Stream) -> None:
-        while stream.pending:
-            n = min(len(stream.pending), stream.send_window, self._send_window, self._peer_frame)
-            if n <= 0:
-                return
-            chunk, stream.pending = stream.pending[:n], stream.pending[n:]
-            stream.send_window -= n
-            self._send_window -= n
-            self._write(w.frame(FrameType.DATA, 0, sid, chunk))
-        self._write(w.frame(FrameType.HEADERS, w.END_HEADERS | w.END_STREAM, sid, stream.trailers))
-        self._blocked.pop(sid, None)
-        self._done(sid, stream)
-
-    def _pump_all(self) -> None:
-        for sid, stream in list(self._blocked.items()):
-            if self._send_window <= 0:
-                return
-            self._pump(sid, stream)
-
-    def _reset(self, sid: int, code: int) -> None:
-        self._write(w.rst_stream(sid, code))
-        stream = self._streams.get(sid)
-        if stream is not None:
-            self._forget(sid, stream)
-
-    def _forget(self, sid: int, stream: _Stream) -> None:
-        self._buffered -= len(stream.body)
-        stream.body = b""
-        stream.pending = stream.trailers = b""
-        self._streams.pop(sid, None)
-        self._blocked.pop(sid, None)
-        if self._draining and not self._streams:
-            self.close()
-
     # -- control frames ----------------------------------------------------------------
 
     def _control(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
@@ -404,19 +314,7 @@ class H2Connection(asyncio.Protocol):
             self._recv_window += self._unacked
             self._unacked = 0
 
-    # -- output and lifetime -----------------------------------------------------------
-
-    def _write(self, data: bytes) -> None:
-        if not self._out:
-            self._loop.call_soon(self._flush)
-        self._out.append(data)
-        self._out_size += len(data)
-
-    def _flush(self) -> None:
-        out, self._out = self._out, []
-        self._out_size = 0
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(b"".join(out))
+    # -- timers ------------------------------------------------------------------------
 
     def _partial(self) -> None:
         """Bytes of an unfinished frame (or preface) arrived: they must be completed in time."""
@@ -438,30 +336,6 @@ class H2Connection(asyncio.Protocol):
     def busy(self) -> bool:
         """Calls in progress (answers not yet sent)."""
         return bool(self._streams) and not self.closed
-
-    def drain(self) -> None:
-        """GOAWAY(NO_ERROR): no new streams; the connection closes once its calls are answered."""
-        if self.closed or self._draining:
-            return
-        self._draining = True
-        self._write(w.goaway(self._last, Error.NO_ERROR))
-        if not self._streams:
-            self.close()
-
-    def _die(self, code: int, why: str) -> None:
-        """A connection error: GOAWAY with ``code`` and the connection closed."""
-        log.info("rate limit service: closing an HTTP/2 connection: %s", why)
-        self._write(w.goaway(self._last, code, why.encode("ascii", "replace")))
-        self.close()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self._flush()
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-
 
 def _unpad(payload: bytes) -> bytes:
     if not payload or payload[0] >= len(payload):
