@@ -24,9 +24,10 @@ The figures that explain the result: the CPU time per request of the serving
 process and of this client (from /proc, so less sensitive to the machine's other
 load than the rates), and, measured in the same rounds by the same clients,
 do-nothing servers in processes of their own (a constant answer, no Redis): a
-``grpc.aio`` servicer, ``grpc.server`` with a generic handler on raw bytes, the
-agent's own transport (grpcio's core driven directly,
-``geolimit.server.rls.transport``), and an aiohttp ``/v1/check`` handler; what
+``grpc.aio`` servicer, ``grpc.server`` with a generic handler on raw bytes,
+grpcio's core driven directly (``geolimit.server.rls.transport``, the agent's
+transport with ``rls_fast_path = false``), the agent's HTTP/2 fast path
+(``geolimit.server.rls.h2c``), and an aiohttp ``/v1/check`` handler; what
 each way of serving costs per call before any decision (``--no-floors`` skips
 them). Every measurement stops by itself after ``--seconds``.
 
@@ -71,6 +72,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's geolimit, wherever the bench is run from
 
 from bench._rls_load import C_NAMES, measure_c, missing_tools  # noqa: E402
+from geolimit.server.rls.h2c import FastCall, FastServer  # noqa: E402
 from geolimit.server.rls.server import METHOD, SERVICE  # noqa: E402
 from geolimit.server.rls.transport import UnaryCall, UnaryServer  # noqa: E402
 from geolimit.store.embedded import EmbeddedRedis  # noqa: E402
@@ -206,7 +208,8 @@ def _constant() -> bytes:
 FLOORS = {  # do-nothing servers, one process each: what each way of serving costs before any decision
     "grpc.aio floor": "a grpc.aio servicer (Envoy's stubs, messages parsed)",
     "grpc.server floor": "grpc.server, 4 threads, a generic handler on raw bytes",
-    "core floor": "the agent's transport (grpcio's core, geolimit.server.rls.transport), request parsed",
+    "core floor": "grpcio's core driven directly (geolimit.server.rls.transport), request parsed",
+    "h2c floor": "the agent's HTTP/2 fast path (geolimit.server.rls.h2c), request parsed",
     "aiohttp floor": "an aiohttp POST /v1/check handler, a constant JSON answer",
 }
 
@@ -237,16 +240,22 @@ async def serve_floor(kind: str) -> None:
         sync.start()
         await stopped
         sync.stop(None)
-    elif kind == "core floor":
-        def handle(call: UnaryCall) -> None:
+    elif kind in ("core floor", "h2c floor"):
+        def handle(call: UnaryCall | FastCall) -> None:
             rls_pb2.RateLimitRequest.FromString(call.request)
             call.reply(raw)
 
-        core = UnaryServer(METHOD, handle)
-        print(core.bind("127.0.0.1:0"), flush=True)
-        await core.start()
-        await stopped
-        await core.stop(None)
+        if kind == "core floor":
+            core = UnaryServer(METHOD, handle)
+            print(core.bind("127.0.0.1:0"), flush=True)
+            await core.start()
+            await stopped
+            await core.stop(None)
+        else:
+            fast = FastServer(METHOD, handle)
+            print(await fast.listen("127.0.0.1", 0), flush=True)
+            await stopped
+            await fast.stop(None)
     else:
         body = json.dumps({"allowed": True, "limit": 1, "remaining": 1}).encode()
 
