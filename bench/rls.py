@@ -62,6 +62,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # forks (exec) beside grpcio's threads: tests/conftest.py
+
 import aiohttp
 import grpc
 import grpc.aio

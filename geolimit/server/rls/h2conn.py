@@ -121,9 +121,13 @@ class H2Connection(Answering, asyncio.Protocol):
             log.exception("rate limit service: HTTP/2 connection failed")
             self._die(Error.INTERNAL_ERROR, "internal error")
             return
-        while self._buffered > _MAX_BUFFERED:  # memory stays bounded, and no stream waits for a window forever
+        if self.closed:
+            return
+        while self._buffered > _MAX_BUFFERED and self._streams:  # bounded memory, and no stream waits forever
             sid = max(self._streams, key=lambda s: len(self._streams[s].body))
             self.fail(sid, _RESOURCE_EXHAUSTED, "too much request data on this connection")
+            if self.closed:
+                return
         if self._unacked >= _CONN_WINDOW // 4:
             self._replenish()
         if buf or self._cont is not None:
@@ -193,7 +197,14 @@ class H2Connection(Answering, asyncio.Protocol):
                 self._forget(sid, stream)
             return
         if payload:
-            body = stream.body = stream.body + payload if stream.body else payload
+            body: bytes | bytearray
+            if not stream.body:
+                body = stream.body = payload
+            else:  # a message in several frames: appended in place, not copied each time
+                if not isinstance(stream.body, bytearray):
+                    stream.body = bytearray(stream.body)
+                stream.body += payload
+                body = stream.body
             self._buffered += len(payload)
             if len(body) >= 5:
                 declared = int.from_bytes(body[1:5], "big")
@@ -301,7 +312,7 @@ class H2Connection(Answering, asyncio.Protocol):
             self.fail(sid, _UNIMPLEMENTED if body[0] == 1 else _INTERNAL, "compressed messages are not supported")
         else:
             stream.handed = True
-            self._dispatch(self, sid, body[5:])
+            self._dispatch(self, sid, bytes(body[5:]))
 
     # -- control frames ----------------------------------------------------------------
 

@@ -27,7 +27,7 @@ class Stream:
     __slots__ = ("body", "ended", "handed", "pending", "recv_window", "send_window", "trailers")
 
     def __init__(self, send_window: int, recv_window: int) -> None:
-        self.body = b""
+        self.body: bytes | bytearray = b""
         self.ended = False  # the client's END_STREAM arrived
         self.handed = False  # the request went to the handler
         self.recv_window = recv_window
