@@ -92,7 +92,8 @@ def run_load(kind: str, url: str, metrics_url: str, body: Path, seconds: float, 
         raise SystemExit(f"h2load failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     ok, started = int(codes.group(1)), int(result.group(2))
     failed = sum(int(result.group(i)) for i in (5, 6, 7)) + sum(int(g) for g in codes.groups()[1:])
-    if failed or not ok <= decisions <= started:
+    # The agent also decides the calls cut off at the end, and h2load may send a few before its clock starts.
+    if failed or not ok <= decisions <= started + concurrency:
         raise SystemExit(f"{kind}: h2load had {ok} 2xx answers and {failed} failures of {started} started, "
                          f"but the agent counted {decisions} allowed decisions: the answers are not decisions\n"
                          + done.stdout)
