@@ -165,7 +165,7 @@ class RlsServer:
             raise RequestError("rate limit domain must not be empty")
         base = request.hits_addend or 1  # unset (0) counts 1, as Envoy documents
         descriptors = [
-            Descriptor(tuple((e.key, e.value) for e in d.entries),
+            Descriptor(tuple([(e.key, e.value) for e in d.entries]),  # a list: faster than a generator
                        d.hits_addend.value if d.HasField("hits_addend") else base)
             for d in request.descriptors
         ]
