@@ -238,6 +238,9 @@ def with_workers(config: AgentConfig, workers: object, where: str = "--workers")
 def _parse_rls(region: Mapping[str, Any], src: str, base: Path,
                rules: tuple[Rule, ...]) -> tuple[tuple[str, int], RlsConfig]:
     """``region.rls_listen`` (``"host:port"``, or a bare port on 127.0.0.1) and the ``region.rls_config`` files."""
+    if "rls_listen" not in region and "rls_config" not in region:
+        raise ConfigError(f"{src}: region.rls_fast_path needs region.rls_listen and region.rls_config "
+                          "(the Envoy rate limit service is off without them)")
     for key, other in (("rls_listen", "rls_config"), ("rls_config", "rls_listen")):
         if key not in region:
             raise ConfigError(f"{src}: region.{other} needs region.{key} (the Envoy rate limit service "
