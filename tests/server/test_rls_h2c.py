@@ -8,7 +8,7 @@ grpcio client must still get its decision: bad bytes cost their own connection o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -73,8 +73,8 @@ async def test_a_raw_call_is_answered_with_headers_message_and_trailers(raw: Raw
     assert raw.settings_acks == 1, "the client's SETTINGS were acknowledged"
 
 
-async def _until(done: object, raw: Raw) -> None:
-    while not done():  # type: ignore[operator]
+async def _until(done: Callable[[], bool], raw: Raw) -> None:
+    while not done():
         await raw.frame()
 
 
@@ -247,7 +247,7 @@ async def test_answers_wait_for_the_clients_windows(agent: Agent) -> None:
 async def test_streams_over_the_limit_are_refused_and_the_others_served(agent: Agent, raw: Raw) -> None:
     opened = [raw.stream() for _ in range(h2c.MAX_STREAMS + 10)]
     raw.send(*(frame(FrameType.HEADERS, END_HEADERS, sid, raw.block(request_fields())) for sid in opened))
-    refused = []
+    refused: list[int] = []
     while len(refused) < 10:
         kind, _, sid, payload = await raw.frame()
         if kind == FrameType.RST_STREAM:
