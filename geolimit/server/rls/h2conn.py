@@ -11,7 +11,7 @@ import hpack
 from hpack import HPACKError, OversizedHeaderListError
 
 from geolimit.server.rls import h2wire as w
-from geolimit.server.rls.h2control import ConnectionError_, control
+from geolimit.server.rls.h2control import _H2ConnectionError, control
 from geolimit.server.rls.h2send import Answering, Limits, Stream
 from geolimit.server.rls.h2wire import Error, FrameType
 
@@ -107,14 +107,14 @@ class H2Connection(Answering, asyncio.Protocol):
             if not self._preface:
                 if len(buf) < 24:
                     if not w.PREFACE.startswith(bytes(buf)):
-                        raise ConnectionError_(Error.PROTOCOL_ERROR, "not an HTTP/2 preface")
+                        raise _H2ConnectionError(Error.PROTOCOL_ERROR, "not an HTTP/2 preface")
                     return
                 if buf[:24] != w.PREFACE:
-                    raise ConnectionError_(Error.PROTOCOL_ERROR, "not an HTTP/2 preface")
+                    raise _H2ConnectionError(Error.PROTOCOL_ERROR, "not an HTTP/2 preface")
                 self._preface = True
                 del buf[:24]
             self._frames(buf)
-        except ConnectionError_ as exc:
+        except _H2ConnectionError as exc:
             self._die(exc.code, str(exc))
             return
         except Exception:  # a bug here must cost this connection only
@@ -145,7 +145,7 @@ class H2Connection(Answering, asyncio.Protocol):
                 high, low, kind, flags, stream = unpack(buf, pos)
                 length = high << 8 | low
                 if length > max_frame:
-                    raise ConnectionError_(Error.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+                    raise _H2ConnectionError(Error.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
                 end = pos + 9 + length
                 if end > n:
                     break
@@ -153,9 +153,9 @@ class H2Connection(Answering, asyncio.Protocol):
                 pos = end
                 stream &= 0x7FFFFFFF
                 if not self._settings_seen and (kind != FrameType.SETTINGS or flags & w.ACK):
-                    raise ConnectionError_(Error.PROTOCOL_ERROR, "the client preface must end with SETTINGS")
+                    raise _H2ConnectionError(Error.PROTOCOL_ERROR, "the client preface must end with SETTINGS")
                 if self._cont is not None and (kind != FrameType.CONTINUATION or stream != self._cont[0]):
-                    raise ConnectionError_(Error.PROTOCOL_ERROR, "CONTINUATION expected")
+                    raise _H2ConnectionError(Error.PROTOCOL_ERROR, "CONTINUATION expected")
                 if kind == FrameType.DATA:
                     self._data(flags, stream, payload)
                 elif kind == FrameType.HEADERS:
@@ -173,16 +173,16 @@ class H2Connection(Answering, asyncio.Protocol):
 
     def _data(self, flags: int, sid: int, payload: bytes) -> None:
         if sid == 0:
-            raise ConnectionError_(Error.PROTOCOL_ERROR, "DATA on stream 0")
+            raise _H2ConnectionError(Error.PROTOCOL_ERROR, "DATA on stream 0")
         size = len(payload)
         if size > self._recv_window:
-            raise ConnectionError_(Error.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+            raise _H2ConnectionError(Error.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
         self._recv_window -= size
         self._unacked += size
         stream = self._streams.get(sid)
         if stream is None or stream.ended:
             if sid > self._last:
-                raise ConnectionError_(Error.PROTOCOL_ERROR, "DATA on an idle stream")
+                raise _H2ConnectionError(Error.PROTOCOL_ERROR, "DATA on an idle stream")
             if stream is not None:  # half-closed (remote): a stream error
                 self._reset(sid, Error.STREAM_CLOSED)
             return  # a stream closed or reset here: ignored (its bytes still count for the connection)
@@ -224,12 +224,12 @@ class H2Connection(Answering, asyncio.Protocol):
 
     def _headers(self, flags: int, sid: int, payload: bytes) -> None:
         if sid == 0 or not sid & 1:
-            raise ConnectionError_(Error.PROTOCOL_ERROR, "HEADERS on an even stream id")
+            raise _H2ConnectionError(Error.PROTOCOL_ERROR, "HEADERS on an even stream id")
         if flags & w.PADDED:
             payload = _unpad(payload)
         if flags & w.PRIORITY_FLAG:
             if len(payload) < 5:
-                raise ConnectionError_(Error.FRAME_SIZE_ERROR, "HEADERS too short for its priority")
+                raise _H2ConnectionError(Error.FRAME_SIZE_ERROR, "HEADERS too short for its priority")
             payload = payload[5:]
         if flags & w.END_HEADERS:
             self._block_done(sid, flags, payload)
@@ -239,10 +239,10 @@ class H2Connection(Answering, asyncio.Protocol):
 
     def _continuation(self, flags: int, sid: int, payload: bytes) -> None:
         if self._cont is None:
-            raise ConnectionError_(Error.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
+            raise _H2ConnectionError(Error.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
         self._block += payload
         if len(self._block) > _MAX_BLOCK:
-            raise ConnectionError_(Error.ENHANCE_YOUR_CALM, "header block too large")
+            raise _H2ConnectionError(Error.ENHANCE_YOUR_CALM, "header block too large")
         if flags & w.END_HEADERS:
             _, first = self._cont
             self._cont = None
@@ -256,9 +256,9 @@ class H2Connection(Answering, asyncio.Protocol):
             try:
                 fields = self._decoder.decode(block, raw=True)
             except OversizedHeaderListError:
-                raise ConnectionError_(Error.ENHANCE_YOUR_CALM, "header list too large") from None
+                raise _H2ConnectionError(Error.ENHANCE_YOUR_CALM, "header list too large") from None
             except HPACKError as exc:
-                raise ConnectionError_(Error.COMPRESSION_ERROR, f"header block: {exc}") from None
+                raise _H2ConnectionError(Error.COMPRESSION_ERROR, f"header block: {exc}") from None
             head = w.read_head(cast(list[tuple[bytes, bytes]], fields))
             if static:
                 self._heads.put(block, head)
@@ -267,7 +267,7 @@ class H2Connection(Answering, asyncio.Protocol):
         stream = self._streams.get(sid)
         if stream is not None:  # trailers from the client: they must end the stream
             if stream.ended or not flags & w.END_STREAM:
-                raise ConnectionError_(Error.PROTOCOL_ERROR, "a second HEADERS without END_STREAM")
+                raise _H2ConnectionError(Error.PROTOCOL_ERROR, "a second HEADERS without END_STREAM")
             stream.ended = True
             if not stream.handed:
                 self._request(sid, stream)
@@ -350,5 +350,5 @@ class H2Connection(Answering, asyncio.Protocol):
 
 def _unpad(payload: bytes) -> bytes:
     if not payload or payload[0] >= len(payload):
-        raise ConnectionError_(Error.PROTOCOL_ERROR, "padding longer than the frame")
+        raise _H2ConnectionError(Error.PROTOCOL_ERROR, "padding longer than the frame")
     return payload[1:len(payload) - payload[0]]
