@@ -1,6 +1,7 @@
 """Decisions per second of the agent's Envoy rate limit service (gRPC) against its HTTP ``/v1/check``.
 
-    python bench/rls.py [--rounds 3] [--seconds 3] [--concurrency 64] [--no-floors] [--json PATH]
+    python bench/rls.py [--rounds 3] [--seconds 3] [--concurrency 64] [--no-floors] [--no-python] [--no-c]
+                        [--json PATH]
 
 Processes on loopback: an embedded redis-server and one ``geolimit agent`` (a
 ``[[rule]]`` and a descriptor file with the same huge limit, so every call makes
@@ -23,11 +24,22 @@ The figures that explain the result: the CPU time per request of the serving
 process and of this client (from /proc, so less sensitive to the machine's other
 load than the rates), and, measured in the same rounds by the same clients,
 do-nothing servers in processes of their own (a constant answer, no Redis): a
-``grpc.aio`` servicer, ``grpc.server`` with a generic handler on raw bytes, the
-agent's own transport (grpcio's core driven directly,
-``geolimit.server.rls.transport``), and an aiohttp ``/v1/check`` handler; what
+``grpc.aio`` servicer, ``grpc.server`` with a generic handler on raw bytes,
+grpcio's core driven directly (``geolimit.server.rls.transport``, the agent's
+transport with ``rls_fast_path = false``), the agent's HTTP/2 fast path
+(``geolimit.server.rls.h2c``), and an aiohttp ``/v1/check`` handler; what
 each way of serving costs per call before any decision (``--no-floors`` skips
 them). Every measurement stops by itself after ``--seconds``.
+
+Then the same comparison with a C load generator, h2load (``apt-get install
+nghttp2-client``; ``bench/_rls_load.py``), so that the agent, not the client, is
+measured: gRPC with ``--concurrency`` streams on one connection, against the
+default agent (the HTTP/2 fast path) and a second agent with ``rls_fast_path =
+false`` (grpcio's core), and ``/v1/check`` over HTTP/1.1 with ``--concurrency``
+connections (one subject each; rounds alternate the order). Each answer is
+checked against the agent's ``/metrics`` (one allowed decision per 2xx answer).
+The verdict compares the h2load rates (the Python-client rows' ratio is printed
+too). ``--no-python`` and ``--no-c`` skip either part.
 """
 
 from __future__ import annotations
@@ -50,6 +62,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # forks (exec) beside grpcio's threads: tests/conftest.py
+
 import aiohttp
 import grpc
 import grpc.aio
@@ -59,6 +73,8 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's geolimit, wherever the bench is run from
 
+from bench._rls_load import C_NAMES, measure_c, missing_tools  # noqa: E402
+from geolimit.server.rls.h2c import FastCall, FastServer  # noqa: E402
 from geolimit.server.rls.server import METHOD, SERVICE  # noqa: E402
 from geolimit.server.rls.transport import UnaryCall, UnaryServer  # noqa: E402
 from geolimit.store.embedded import EmbeddedRedis  # noqa: E402
@@ -75,6 +91,7 @@ listen = "127.0.0.1:0"
 secret_file = "gossip.key"
 rls_listen = "127.0.0.1:0"
 rls_config = "ratelimit.yaml"
+rls_fast_path = {fast}
 
 [gossip]
 peers = []
@@ -93,11 +110,12 @@ descriptors:
 """
 
 
-def start_agent(folder: Path, redis_url: str) -> tuple[subprocess.Popen[str], str, str]:
+def start_agent(folder: Path, redis_url: str, fast: bool = True) -> tuple[subprocess.Popen[str], str, str]:
     """``geolimit agent`` on loopback; its HTTP URL and gRPC target, read from its log."""
+    folder.mkdir(exist_ok=True)
     (folder / "gossip.key").write_text(secrets.token_urlsafe(32))
     (folder / "ratelimit.yaml").write_text(RATELIMIT_YAML.format(huge=HUGE))
-    (folder / "region.toml").write_text(REGION_TOML.format(redis=redis_url, huge=HUGE))
+    (folder / "region.toml").write_text(REGION_TOML.format(redis=redis_url, huge=HUGE, fast=str(fast).lower()))
     proc = subprocess.Popen(
         [sys.executable, "-m", "geolimit.cli", "agent", "--config", str(folder / "region.toml")],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,  # -m: this checkout's geolimit
@@ -192,7 +210,8 @@ def _constant() -> bytes:
 FLOORS = {  # do-nothing servers, one process each: what each way of serving costs before any decision
     "grpc.aio floor": "a grpc.aio servicer (Envoy's stubs, messages parsed)",
     "grpc.server floor": "grpc.server, 4 threads, a generic handler on raw bytes",
-    "core floor": "the agent's transport (grpcio's core, geolimit.server.rls.transport), request parsed",
+    "core floor": "grpcio's core driven directly (geolimit.server.rls.transport), request parsed",
+    "h2c floor": "the agent's HTTP/2 fast path (geolimit.server.rls.h2c), request parsed",
     "aiohttp floor": "an aiohttp POST /v1/check handler, a constant JSON answer",
 }
 
@@ -223,16 +242,22 @@ async def serve_floor(kind: str) -> None:
         sync.start()
         await stopped
         sync.stop(None)
-    elif kind == "core floor":
-        def handle(call: UnaryCall) -> None:
+    elif kind in ("core floor", "h2c floor"):
+        def handle(call: UnaryCall | FastCall) -> None:
             rls_pb2.RateLimitRequest.FromString(call.request)
             call.reply(raw)
 
-        core = UnaryServer(METHOD, handle)
-        print(core.bind("127.0.0.1:0"), flush=True)
-        await core.start()
-        await stopped
-        await core.stop(None)
+        if kind == "core floor":
+            core = UnaryServer(METHOD, handle)
+            print(core.bind("127.0.0.1:0"), flush=True)
+            await core.start()
+            await stopped
+            await core.stop(None)
+        else:
+            fast = FastServer(METHOD, handle)
+            print(await fast.listen("127.0.0.1", 0), flush=True)
+            await stopped
+            await fast.stop(None)
     else:
         body = json.dumps({"allowed": True, "limit": 1, "remaining": 1}).encode()
 
@@ -283,49 +308,84 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--no-floors", action="store_true", help="only the agent's two protocols")
+    parser.add_argument("--no-python", action="store_true", help="skip the Python clients")
+    parser.add_argument("--no-c", action="store_true", help="skip h2load")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--serve-floor", choices=list(FLOORS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_floor:
         asyncio.run(serve_floor(args.serve_floor))
         return
+    missing = None if args.no_c else missing_tools()
+    if missing:
+        print(f"{missing}; the h2load rows are skipped", flush=True)
     floors: dict[str, subprocess.Popen[str]] = {}
+    report: dict[str, Any] = {"concurrency": args.concurrency, "seconds": args.seconds,
+                              "python": platform.python_version(), "target": TARGET_RATIO}
     with EmbeddedRedis() as redis_server, tempfile.TemporaryDirectory() as tmp:
-        proc, http, target = start_agent(Path(tmp), redis_server.url)
+        proc, http, target = start_agent(Path(tmp) / "fast", redis_server.url)
+        core = None
         try:
-            targets, pids = {"grpc": target, "http": http}, {"grpc": proc.pid, "http": proc.pid}
-            for kind in [] if args.no_floors else list(FLOORS):
-                floor = floors[kind] = subprocess.Popen([sys.executable, __file__, "--serve-floor", kind],
-                                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                assert floor.stdout is not None
-                port = int(floor.stdout.readline())
-                targets[kind] = f"http://127.0.0.1:{port}" if kind == "aiohttp floor" else f"127.0.0.1:{port}"
-                pids[kind] = floor.pid
             print(f"agent: HTTP {http}, gRPC {target}; Redis {redis_server.version}; {args.concurrency} in flight, "
                   f"{args.seconds:g} s per measurement, {args.rounds} rounds; load average {os.getloadavg()[0]:.1f}")
-            rates = asyncio.run(measure(targets, pids, args.rounds, args.seconds, args.concurrency))
+            if not args.no_python:
+                report["python_clients"] = python_clients(args, proc.pid, http, target, floors)
+            if not args.no_c and not missing:
+                core, core_http, core_target = start_agent(Path(tmp) / "core", redis_server.url, fast=False)
+                targets = {"grpc": (target, http), "grpc core": (core_target, core_http), "http": (http, http)}
+                pids = {"grpc": proc.pid, "grpc core": core.pid, "http": proc.pid}
+                cpus = {k: (lambda pid=pid: [cpu_seconds(pid), cpu_seconds(redis_server.pid)]) for k, pid in pids.items()}
+                print(f"h2load: agent {target} (fast path), {core_target} (grpcio's core); load average "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
+                report["h2load"] = c_clients(measure_c(targets, cpus, Path(tmp), args.rounds, args.seconds,
+                                                       args.concurrency), args.rounds)
         finally:
-            proc.terminate()
-            proc.wait(10)
+            for agent in (proc, core):
+                if agent is not None:
+                    agent.terminate()
+                    agent.wait(10)
             for floor in floors.values():
                 floor.communicate(timeout=10)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+def python_clients(args: argparse.Namespace, pid: int, http: str, target: str,
+                   floors: dict[str, subprocess.Popen[str]]) -> dict[str, Any]:
+    """The Python-client rows (this process is the client), with the do-nothing floors; printed, returned."""
+    targets, pids = {"grpc": target, "http": http}, {"grpc": pid, "http": pid}
+    for kind in [] if args.no_floors else list(FLOORS):
+        floor = floors[kind] = subprocess.Popen([sys.executable, __file__, "--serve-floor", kind],
+                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert floor.stdout is not None
+        port = int(floor.stdout.readline())
+        targets[kind] = f"http://127.0.0.1:{port}" if kind == "aiohttp floor" else f"127.0.0.1:{port}"
+        pids[kind] = floor.pid
+    rates = asyncio.run(measure(targets, pids, args.rounds, args.seconds, args.concurrency))
     median = {k: statistics.median(v) for k, v in rates.items()}
-    grpc_median, http_median = median["grpc"], median["http"]
-    ratio = grpc_median / http_median
-    verdict = "PASS" if ratio >= TARGET_RATIO else "MISS"
-    print(f"medians of {args.rounds} rounds; CPU per request of the serving process and of this client:")
-    names = {"grpc": "gRPC ShouldRateLimit (agent)", "http": "HTTP /v1/check (agent)"} | FLOORS
+    ratio = median["grpc"] / median["http"]
+    print(f"Python clients, medians of {args.rounds} rounds; CPU per request of the serving process and of this client:")
+    names = {"grpc": "gRPC ShouldRateLimit (agent, fast path)", "http": "HTTP /v1/check (agent)"} | FLOORS
     for kind in targets:
         print(f"  {median[kind]:8,.0f}/s  server {median[kind + '_cpu_us']:4.0f} us  client "
               f"{median[kind + '_client_us']:4.0f} us  {names[kind]}")
-    print(f"ratio {ratio:.2f}x, goal >= {TARGET_RATIO:g}x: {verdict}; load average {os.getloadavg()[0]:.1f}")
-    if args.json:
-        report: dict[str, Any] = {
-            "rates": rates, "medians": median,
-            "ratio": ratio, "target": TARGET_RATIO, "verdict": verdict, "concurrency": args.concurrency,
-            "seconds": args.seconds, "python": platform.python_version(),
-        }
-        args.json.write_text(json.dumps(report, indent=2))
+    print(f"Python clients: ratio {ratio:.2f}x; load average {os.getloadavg()[0]:.1f}", flush=True)
+    return {"rates": rates, "medians": median, "ratio": ratio}
+
+
+def c_clients(rates: dict[str, list[float]], rounds: int) -> dict[str, Any]:
+    """The h2load rows and the verdict; printed, returned."""
+    median = {k: statistics.median(v) for k, v in rates.items()}
+    ratio = median["grpc"] / median["http"]
+    verdict = "PASS" if ratio >= TARGET_RATIO else "MISS"
+    print(f"h2load, medians of {rounds} rounds; CPU per decision of the agent and of Redis:")
+    for kind in rates:
+        if not kind.endswith("_us"):
+            print(f"  {median[kind]:8,.0f}/s  agent {median[kind + '_cpu_us']:4.0f} us  Redis "
+                  f"{median[kind + '_redis_us']:4.0f} us  {C_NAMES[kind]}")
+    print(f"ratio {ratio:.2f}x (grpcio's core: {median['grpc core'] / median['http']:.2f}x), goal >= "
+          f"{TARGET_RATIO:g}x: {verdict}; load average {os.getloadavg()[0]:.1f}", flush=True)
+    return {"rates": rates, "medians": median, "ratio": ratio, "verdict": verdict}
 
 
 if __name__ == "__main__":

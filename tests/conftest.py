@@ -11,8 +11,15 @@ Function fixtures:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
+
+# grpcio's fork handlers, run when a test starts a redis-server (fork, then exec) while
+# grpcio's threads are busy, can abort the child: 6 of 150 such forks did here
+# ("epoll_wait error: Bad file descriptor", exit -6). Nothing here forks a process that
+# goes on using gRPC, so the handlers are not needed. Set before any test imports grpc.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import pytest
 import redis

@@ -342,6 +342,7 @@ class Agent:
                 ("peers", old.peers, config.peers), ("secret", old.secret, config.secret),
                 ("redis_url", old.redis_url, config.redis_url), ("gossip interval", old.interval, config.interval),
                 ("rls_listen", old.rls_listen, config.rls_listen),
+                ("rls_fast_path", old.rls_fast_path, config.rls_fast_path),
             ) if a != b
         ]
         if restart:
@@ -352,7 +353,8 @@ class Agent:
         summary += [f"~{n}" for n in after if n in before and after[n] != before[n]]
         self.config = replace(config, listen=old.listen, api_listen=old.api_listen, peers=old.peers,
                               secret=old.secret, redis_url=old.redis_url, interval=old.interval,
-                              workers=old.workers, rls_listen=old.rls_listen)
+                              workers=old.workers, rls_listen=old.rls_listen,
+                              rls_fast_path=old.rls_fast_path)
         return " ".join(summary)
 
     # -- introspection --------------------------------------------------------

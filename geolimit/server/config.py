@@ -59,7 +59,7 @@ __all__ = ["MAX_REDIS_TIMEOUT", "MAX_WORKERS", "AgentConfig", "PeerConfig", "TLS
 
 _SECTIONS = {
     "region": {"name", "redis_url", "listen", "secret_file", "key_prefix", "shards", "on_error", "api_listen", "api_token_file",
-               "redis_timeout", "workers", "rls_listen", "rls_config"},
+               "redis_timeout", "workers", "rls_listen", "rls_config", "rls_fast_path"},
     "gossip": {"interval", "peers", "anti_entropy_interval", "max_message_bytes", "max_backoff", "timeout",
                "outbox_limit", "auth_window", "tls"},
     "log": LOG_KEYS,
@@ -123,6 +123,7 @@ class AgentConfig:
     workers: int = 1  # agent worker processes of this region (geolimit/server/workers.py)
     rls_listen: tuple[str, int] | None = None  # Envoy rate limit service (gRPC); None: off
     rls: RlsConfig | None = field(default=None, repr=False)  # its domains (their rules are in ``rules``)
+    rls_fast_path: bool = True  # serve RLS with geolimit/server/rls/h2c.py (False: grpcio's core)
     log_format: str = "text"
     log_level: str = "INFO"
     path: Path | None = None
@@ -159,9 +160,11 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
                               "its messages would go in plaintext; use https://")
     opts.update(_region_options(region, src, base, listen))
     opts.update(parse_log(logs, src))
-    if "rls_listen" in region or "rls_config" in region:
+    if "rls_listen" in region or "rls_config" in region or "rls_fast_path" in region:
         rls_listen, rls = _parse_rls(region, src, base, rules)
         opts.update(rls_listen=rls_listen, rls=rls)
+        if "rls_fast_path" in region:
+            opts["rls_fast_path"] = require(region, "rls_fast_path", bool, src, "region.rls_fast_path")
         rules += rls.rules
     config = AgentConfig(region=name, redis_url=redis_url, listen=listen, secret=secret, peers=peers, rules=rules,
                          path=path, **opts)
@@ -235,6 +238,9 @@ def with_workers(config: AgentConfig, workers: object, where: str = "--workers")
 def _parse_rls(region: Mapping[str, Any], src: str, base: Path,
                rules: tuple[Rule, ...]) -> tuple[tuple[str, int], RlsConfig]:
     """``region.rls_listen`` (``"host:port"``, or a bare port on 127.0.0.1) and the ``region.rls_config`` files."""
+    if "rls_listen" not in region and "rls_config" not in region:
+        raise ConfigError(f"{src}: region.rls_fast_path needs region.rls_listen and region.rls_config "
+                          "(the Envoy rate limit service is off without them)")
     for key, other in (("rls_listen", "rls_config"), ("rls_config", "rls_listen")):
         if key not in region:
             raise ConfigError(f"{src}: region.{other} needs region.{key} (the Envoy rate limit service "

@@ -178,7 +178,7 @@ class AsyncRedisStore:
 
     async def run(self, script: LuaScript, args: list[bytes]) -> Any:
         return await self.run_resp(
-            script, len(args), b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in args)
+            script, len(args), b"".join([b"$%d\r\n%b\r\n" % (len(a), a) for a in args])  # a list: faster than a generator
         )
 
     async def load_functions(self) -> bool:

@@ -30,6 +30,12 @@ def region_redis(redis_server_factory: Callable[..., EmbeddedRedis]) -> Iterator
         server.stop()
 
 
+@pytest.fixture(params=[True, False], ids=["h2c", "grpcio"])
+def rls_fast_path(request: pytest.FixtureRequest) -> bool:
+    """Each transport of the rate limit service: the HTTP/2 fast path, then grpcio's core."""
+    return bool(request.param)
+
+
 @pytest.fixture
 async def start_agent(region_redis: EmbeddedRedis) -> AsyncIterator[StartAgent]:
     """``await start_agent(run=True, **AgentConfig overrides)``: region "a" with one peer, "b", that is down."""

@@ -75,15 +75,16 @@ descriptors:
 Entries = Sequence[tuple[str, str]]
 
 
-def rls_options(tmp_path: Path, *docs: str) -> dict[str, Any]:
-    """AgentConfig overrides serving ``docs`` (YAML text) on a loopback port of its own."""
+def rls_options(tmp_path: Path, *docs: str, fast: bool = True) -> dict[str, Any]:
+    """AgentConfig overrides serving ``docs`` (YAML text) on a loopback port of its own
+    (``fast``: with the HTTP/2 fast path, else grpcio's core)."""
     files = []
     for i, doc in enumerate(docs):
         path = tmp_path / f"ratelimit-{i}.yaml"
         path.write_text(textwrap.dedent(doc))
         files.append(path)
     rls = load_rls(files, [r.name for r in RULES])
-    return {"rules": RULES + rls.rules, "rls": rls, "rls_listen": ("127.0.0.1", 0)}
+    return {"rules": RULES + rls.rules, "rls": rls, "rls_listen": ("127.0.0.1", 0), "rls_fast_path": fast}
 
 
 def request(domain: str, *descriptors: Entries | tuple[Entries, int], hits: int = 0) -> Any:
@@ -112,8 +113,8 @@ class Client:
 
 
 @pytest.fixture
-async def edge(start_agent: StartAgent, tmp_path: Path) -> Agent:
-    return await start_agent(**rls_options(tmp_path, MESSAGING, EDGE))
+async def edge(start_agent: StartAgent, tmp_path: Path, rls_fast_path: bool) -> Agent:
+    return await start_agent(**rls_options(tmp_path, MESSAGING, EDGE, fast=rls_fast_path))
 
 
 @pytest.fixture
@@ -271,9 +272,9 @@ async def test_bad_requests_are_invalid_argument(client: Client) -> None:
 
 @pytest.mark.parametrize(("on_error", "code"), [("raise", None), ("allow", OK), ("deny", OVER)])
 async def test_redis_down_follows_on_error(
-    start_agent: StartAgent, tmp_path: Path, region_redis: Any, on_error: str, code: int | None
+    start_agent: StartAgent, tmp_path: Path, region_redis: Any, on_error: str, code: int | None, rls_fast_path: bool
 ) -> None:
-    agent = await start_agent(on_error=on_error, **rls_options(tmp_path, EDGE))
+    agent = await start_agent(on_error=on_error, **rls_options(tmp_path, EDGE, fast=rls_fast_path))
     host, port = agent.rls_address
     region_redis.stop()
     async with grpc.aio.insecure_channel(f"{host}:{port}") as channel:
@@ -286,13 +287,15 @@ async def test_redis_down_follows_on_error(
             assert await stub.codes("edge", [("generic_key", "global")], [("internal", "x")]) == (code, [code, OK])
 
 
-async def test_reload_applies_a_changed_descriptor_file(start_agent: StartAgent, tmp_path: Path) -> None:
-    agent = await start_agent(**rls_options(tmp_path, EDGE))
+async def test_reload_applies_a_changed_descriptor_file(start_agent: StartAgent, tmp_path: Path,
+                                                        rls_fast_path: bool) -> None:
+    agent = await start_agent(**rls_options(tmp_path, EDGE, fast=rls_fast_path))
     host, port = agent.rls_address
     async with grpc.aio.insecure_channel(f"{host}:{port}") as channel:
         c = Client(channel)
         assert (await c.ask("edge", [("generic_key", "global")])).statuses[0].limit_remaining == 2
-        changed = rls_options(tmp_path, EDGE.replace("requests_per_unit: 3", "requests_per_unit: 30"))
+        changed = rls_options(tmp_path, EDGE.replace("requests_per_unit: 3", "requests_per_unit: 30"),
+                              fast=rls_fast_path)
         summary = await agent.reload(replace(agent.config, **changed))
         assert "~edge.generic_key_global-per-minute" in summary
         r = await c.ask("edge", [("generic_key", "global")])
@@ -301,8 +304,8 @@ async def test_reload_applies_a_changed_descriptor_file(start_agent: StartAgent,
 
 
 async def test_a_port_in_use_is_an_error_not_a_shared_port(edge: Agent, start_agent: StartAgent,
-                                                           tmp_path: Path) -> None:
+                                                           tmp_path: Path, rls_fast_path: bool) -> None:
     taken = edge.rls_address
-    options = rls_options(tmp_path, EDGE) | {"rls_listen": taken}
+    options = rls_options(tmp_path, EDGE, fast=rls_fast_path) | {"rls_listen": taken}
     with pytest.raises(GeolimitError, match=r"cannot listen for gRPC on 127\.0\.0\.1:\d+"):
         await start_agent(**options)

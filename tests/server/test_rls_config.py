@@ -197,6 +197,9 @@ def test_toml_keys_bare_port_on_loopback_and_no_rule_tables_needed(tmp_path: Pat
     assert load_config(agent_toml(tmp_path, rls_listen=8082, rls_config=["ratelimit.yaml"])).rls_listen == ("127.0.0.1", 8082)
     assert load_config(agent_toml(tmp_path, rls_listen="0.0.0.0:8081", rls_config="ratelimit.yaml")).rls_listen == ("0.0.0.0", 8081)
     assert load_config(agent_toml(tmp_path)).rls_listen is None, "off unless asked for"
+    assert loaded.rls_fast_path, "the HTTP/2 fast path unless told otherwise"
+    assert not load_config(agent_toml(tmp_path, rls_listen="8081", rls_config="ratelimit.yaml",
+                                      rls_fast_path=False)).rls_fast_path
     data = region_config("redis://127.0.0.1:6379/0")
     del data["rule"]
     data["region"] |= {"rls_listen": "8081", "rls_config": "ratelimit.yaml"}
@@ -211,6 +214,9 @@ def test_toml_keys_bare_port_on_loopback_and_no_rule_tables_needed(tmp_path: Pat
     ({"rls_listen": 70000, "rls_config": "ratelimit.yaml"}, "region.rls_listen: a port from 0 to 65535"),
     ({"rls_listen": "localhost", "rls_config": "ratelimit.yaml"}, "region.rls_listen: expected 'host:port'"),
     ({"rls_listen": "8081", "rls_config": 3}, "region.rls_config must be a file or directory name"),
+    ({"rls_fast_path": False}, "region.rls_fast_path needs region.rls_listen and region.rls_config"),
+    ({"rls_listen": "8081", "rls_config": "ratelimit.yaml", "rls_fast_path": "yes"},
+     "region.rls_fast_path must be a bool"),
     ({"rls_listen": "8081", "rls_config": "bad.yaml"}, "bad.yaml: descriptors[0].rate_limit.unit: 'fortnight'"),
     ({"rls_listen": "0", "rls_config": "ratelimit.yaml", "workers": 2, "listen": "127.0.0.1:7400"},
      "region.workers = 2 needs a fixed port in region.rls_listen"),

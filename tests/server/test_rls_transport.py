@@ -30,8 +30,8 @@ from tests.support.regions import eventually
 
 
 @pytest.fixture
-async def channel(start_agent: StartAgent, tmp_path: Path) -> AsyncIterator[grpc.aio.Channel]:
-    agent: Agent = await start_agent(**rls_options(tmp_path, EDGE))
+async def channel(start_agent: StartAgent, tmp_path: Path, rls_fast_path: bool) -> AsyncIterator[grpc.aio.Channel]:
+    agent: Agent = await start_agent(**rls_options(tmp_path, EDGE, fast=rls_fast_path))
     host, port = agent.rls_address
     async with grpc.aio.insecure_channel(f"{host}:{port}") as channel:
         yield channel
@@ -143,7 +143,7 @@ async def test_an_agent_whose_poller_crashed_still_stops_then_raises(
         raise RuntimeError("poller broke")
 
     monkeypatch.setattr(transport, "queue_poll", broken)
-    agent = await start_agent(**rls_options(tmp_path, EDGE))
+    agent = await start_agent(**rls_options(tmp_path, EDGE, fast=False))
     with pytest.raises(GeolimitError, match="poller crashed"):
         await asyncio.wait_for(agent.stop(), 10)
     assert not agent._runners, "the HTTP listeners are closed all the same"

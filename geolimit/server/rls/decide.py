@@ -20,6 +20,7 @@ from typing import Literal
 
 from geolimit.core.decision import Decision, RuleDecision, combine
 from geolimit.core.keys import KeyLayout
+from geolimit.core.rule import Rule
 from geolimit.errors import RequestError, StorageError
 from geolimit.http.headers import rate_limit_headers
 from geolimit.server.rls.descriptors import Domain, Limit, match, subject_of
@@ -103,6 +104,14 @@ def plan(domain: Domain | None, name: str, descriptors: Sequence[Descriptor], la
     replaced = {n for limit in limits if limit is not None for n in limit.replaces}
     if replaced:
         limits = [None if limit is not None and limit.name in replaced else limit for limit in limits]
+    if len(descriptors) == 1:  # the common request: what the general case below makes, without its tables
+        limit = limits[0]
+        if limit is None or limit.rule is None:
+            return Transaction(name, limits, metrics, [], [], [None])
+        subject = subject_of(descriptors[0].entries)
+        shard = layout.shard_of(subject)
+        request = _request(layout, shard, descriptors[0].cost, [(_rule_plan(plans, limit.rule), subject)])
+        return Transaction(name, limits, metrics, [request], [not limit.shadow], [(0, 0)])
     # One counter per (rule, subject), costs added; then hit.lua requests per shard and cost.
     units: dict[tuple[str, bytes], list[int]] = {}  # -> [cost, *descriptor indexes]
     for i, (d, limit) in enumerate(zip(descriptors, limits, strict=True)):
@@ -111,13 +120,11 @@ def plan(domain: Domain | None, name: str, descriptors: Sequence[Descriptor], la
             unit[0] += d.cost
             unit.append(i)
     groups: dict[tuple[int, int, int], list[tuple[RulePlan, bytes, list[int]]]] = {}
-    for n, ((rule_name, subject), (cost, *indexes)) in enumerate(units.items()):
+    for n, ((_, subject), (cost, *indexes)) in enumerate(units.items()):
         limit = limits[indexes[0]]
         assert limit is not None
         assert limit.rule is not None
-        rule_plan = plans.get(rule_name)
-        if rule_plan is None or rule_plan.rule is not limit.rule:  # a reload makes new rules
-            rule_plan = plans[rule_name] = RulePlan.of(limit.rule)
+        rule_plan = _rule_plan(plans, limit.rule)
         shard = layout.shard_of(subject)
         # Shadow counters are requests of their own: they never deny the others.
         group = (shard, min(cost, MAX_COST), -1 if not limit.shadow else n)
@@ -132,6 +139,13 @@ def plan(domain: Domain | None, name: str, descriptors: Sequence[Descriptor], la
         requests.append(_request(layout, shard, cost, [(p, s) for p, s, _ in members]))
         enforced.append(shadow < 0)
     return Transaction(name, limits, metrics, requests, enforced, places)
+
+
+def _rule_plan(plans: dict[str, RulePlan], rule: Rule) -> RulePlan:
+    rule_plan = plans.get(rule.name)
+    if rule_plan is None or rule_plan.rule is not rule:  # a reload makes new rules
+        rule_plan = plans[rule.name] = RulePlan.of(rule)
+    return rule_plan
 
 
 def _metric(limit: Limit, entries: Sequence[tuple[str, str]]) -> str:
@@ -170,9 +184,10 @@ def encode_batch(transactions: Sequence[Transaction], now_us: int | None, region
         body: list[bytes] = []
         nkeys = 0
         reply_at = 1
+        single = len(tx.requests) == 1 and not any(rule.escrow for rule in tx.requests[0].rules)
         for request, enforced in zip(tx.requests, tx.enforced, strict=True):
             meta += (b"1" if enforced else b"0", b"%d" % (5 + len(body)), b"%d" % reply_at)
-            body += request.args
+            body += (b"1", *request.args[1:]) if single else request.args  # one pass, consuming (script.py)
             keys += request.keys
             nkeys += len(request.keys)
             reply_at += 1 + REPLY_PER_RULE * len(request.rules)

@@ -5,8 +5,11 @@ decides exactly as :meth:`~geolimit.AsyncLimiter.hit` does: ``hit.lua``'s body
 becomes a function, run once per transaction with every request peeking, and,
 when every enforced request of the transaction is admitted, once more with every
 request consuming (the same state, so the same answers, now counted). Shadow
-requests are then counted only if they are within their own limit. Arguments:
-see :func:`geolimit.server.rls.decide.encode_batch`.
+requests are then counted only if they are within their own limit. A transaction
+of one request is sent consuming already (unless a rule is in escrow mode, whose
+denied consuming hit records demand): one pass of ``hit.lua``, itself all-or-nothing
+over the request's rules, decides and counts it exactly as the two passes would.
+Arguments: see :func:`geolimit.server.rls.decide.encode_batch`.
 """
 
 from __future__ import annotations
@@ -40,12 +43,17 @@ for _ = 1, tonumber(ARGV[4]) do
   ki, ai = ki + nk, ai + na
   local reply = decide(keys, argv)
   local admitted = true
-  for r = 1, nreq do
-    if enforced[r] and reply[reply_at[r]] ~= 1 then admitted = false end
-  end
-  if admitted then
-    for r = 1, nreq do argv[consume_at[r]] = '1' end
-    reply = decide(keys, argv)
+  if nreq == 1 and argv[consume_at[1]] == '1' then
+    -- one request sent consuming (no escrow rule): hit.lua is all-or-nothing by itself
+    admitted = not enforced[1] or reply[reply_at[1]] == 1
+  else
+    for r = 1, nreq do
+      if enforced[r] and reply[reply_at[r]] ~= 1 then admitted = false end
+    end
+    if admitted then
+      for r = 1, nreq do argv[consume_at[r]] = '1' end
+      reply = decide(keys, argv)
+    end
   end
   out[#out + 1] = admitted and 1 or 0
   for i = 1, #reply do out[#out + 1] = reply[i] end

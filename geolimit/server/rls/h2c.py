@@ -1,0 +1,114 @@
+"""One unary gRPC method over HTTP/2 cleartext (prior knowledge), served by asyncio Protocols.
+
+The fast transport of the rate limit service (``[region] rls_fast_path``, the
+default; :mod:`geolimit.server.rls.transport`, grpcio's core, is the other): a
+do-nothing call through grpcio's core costs about 55 us of CPU, this one a
+fraction of that (docs/design.md §13). It speaks the part of HTTP/2 a gRPC client
+uses, strictly: SETTINGS and their ACK, PING, flow control both ways (the peer's
+windows and frame size respected when sending, the connection window replenished
+as data arrives, a stream's window large enough for the largest message),
+CONTINUATION, padding and priority, RST_STREAM, GOAWAY. A request is one
+HEADERS block and one gRPC message (uncompressed, at most :data:`MAX_MESSAGE`
+bytes); answers are precomputed frames (:mod:`geolimit.server.rls.h2wire`).
+
+What it refuses: another method is ``UNIMPLEMENTED``, a compressed message
+``UNIMPLEMENTED``, a message over the limit or a header list over
+:data:`MAX_HEADER_LIST` ``RESOURCE_EXHAUSTED``, more than
+:data:`MAX_STREAMS` open streams ``REFUSED_STREAM``. Bytes that break the
+protocol end the connection with GOAWAY (``PROTOCOL_ERROR`` and the like), as
+does a frame (or the preface) left incomplete for :data:`FRAME_TIMEOUT` seconds.
+``grpc-timeout`` is ignored: the client cancels a late call itself (RST_STREAM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import cast
+
+from geolimit.errors import GeolimitError
+from geolimit.server.rls.h2conn import H2Connection, Limits
+
+__all__ = ["FRAME_TIMEOUT", "MAX_HEADER_LIST", "MAX_MESSAGE", "MAX_STREAMS", "FastCall", "FastServer"]
+
+log = logging.getLogger("geolimit.agent")
+
+MAX_MESSAGE = 4 * 1024 * 1024  # as grpcio's default receive limit
+MAX_HEADER_LIST = 16 * 1024
+MAX_STREAMS = 256
+FRAME_TIMEOUT = 30.0
+
+
+class FastCall:
+    """One call whose request message has arrived; answer it once, from the event loop."""
+
+    __slots__ = ("_conn", "_stream", "request")
+
+    def __init__(self, conn: H2Connection, stream: int, request: bytes) -> None:
+        self._conn = conn
+        self._stream = stream
+        self.request = request
+
+    def reply(self, message: bytes) -> None:
+        """Answer OK with ``message`` (serialized); nothing if the stream or connection is gone."""
+        self._conn.answer(self._stream, message)
+
+    def fail(self, code: object, details: str) -> None:
+        """Answer with gRPC status ``code`` (an int, or a grpcio status code value) and no message."""
+        self._conn.fail(self._stream, int(cast(int, code)), details)
+
+
+class FastServer:
+    """Serves ``method`` (``/package.Service/Method``); ``handle`` runs in the loop and must not raise."""
+
+    def __init__(self, method: str, handle: Callable[[FastCall], None], *, limits: Limits | None = None) -> None:
+        self._method = method.encode()
+        self._handle = handle
+        self.limits = limits or Limits(MAX_MESSAGE, MAX_HEADER_LIST, MAX_STREAMS, FRAME_TIMEOUT)
+        self._server: asyncio.Server | None = None
+        self.connections: set[H2Connection] = set()
+        self._all_gone: asyncio.Event | None = None
+        self.closed = False
+
+    async def listen(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Bind and accept; the bound port."""
+        loop = asyncio.get_running_loop()
+        try:
+            self._server = await loop.create_server(
+                lambda: H2Connection(self._method, self._dispatch, self.limits, self.connections, self._gone),
+                host, port, reuse_port=reuse_port or None, backlog=1024,
+            )
+        except OSError as exc:
+            raise GeolimitError(f"cannot listen for gRPC on {host}:{port}: {exc}") from exc
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def _gone(self) -> None:
+        if self._all_gone is not None and not self.connections:
+            self._all_gone.set()
+
+    def _dispatch(self, conn: H2Connection, stream: int, request: bytes) -> None:
+        call = FastCall(conn, stream, request)
+        try:
+            self._handle(call)
+        except Exception:  # the handler must not raise: this call still gets an answer
+            log.exception("rate limit service: the handler raised")
+            conn.fail(stream, 13, "internal error")
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop accepting; GOAWAY to every client; calls in progress get ``grace`` seconds (None: none)."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        self.closed = True
+        server.close()
+        self._all_gone = asyncio.Event()
+        for conn in list(self.connections):
+            conn.drain()  # each closes once its calls are answered
+        if grace and self.connections:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._all_gone.wait(), grace)
+        for conn in list(self.connections):
+            conn.close()
+        await server.wait_closed()
