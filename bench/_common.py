@@ -408,6 +408,14 @@ def raw_call(sock: socket.socket, packed: bytes, lines: int) -> None:
         buf += sock.recv(4096)
 
 
+def script_stats(stats: dict[str, dict[str, float]]) -> dict[str, float]:
+    """INFO commandstats of script calls, EVALSHA and FCALL together (geolimit calls its
+    scripts by FCALL on Redis >= 7, `limits` by EVALSHA)."""
+    calls = sum(float(stats.get(c, {}).get("calls", 0)) for c in ("evalsha", "fcall"))
+    usec = sum(float(stats.get(c, {}).get("usec", 0)) for c in ("evalsha", "fcall"))
+    return {"calls": calls, "usec": usec, "usec_per_call": usec / calls if calls else 0.0}
+
+
 def cpu_seconds(client: redis.Redis) -> float:
     """redis-server's user + sys CPU seconds (INFO cpu)."""
     info: dict[str, Any] = client.info("cpu")
@@ -513,8 +521,12 @@ def p1_diagnosis(server: Server, lim: Limiter, r: redis.Redis, limits_hit: Calla
     region, nonce = lim.region.encode(), b"000000"  # the registry exists: nonce unused
     req = lim._request("p1", "hot-subject", 1, True)  # what hit() builds
     nargs, body = encode_hit_resp([req], None, region, nonce)
-    packed = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n%b" % (nargs + 2, script.sha, body)
-    reply = store.run_resp(script, nargs, body)
+    reply = store.run_resp(script, nargs, body)  # loads the script (or the library) first
+    if store.functions and script.function is not None:  # Redis >= 7: what hit() sends is FCALL
+        name = script.function
+        packed = b"*%d\r\n$5\r\nFCALL\r\n$%d\r\n%b\r\n%b" % (nargs + 2, len(name), name, body)
+    else:
+        packed = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n%b" % (nargs + 2, script.sha, body)
     sock = socket.create_connection((server.host, server.port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -532,7 +544,7 @@ def p1_diagnosis(server: Server, lim: Limiter, r: redis.Redis, limits_hit: Calla
     cands = {
         "raw_socket_incr": loop(lambda: raw_call(sock, b"*2\r\n$4\r\nINCR\r\n$9\r\nbp1i:diag\r\n", 1)),
         "redispy_incr": loop(lambda: r.incr("bp1i:diag")),
-        "raw_socket_evalsha": loop(lambda: raw_call(sock, packed, 1 + len(reply))),
+        "raw_socket_script": loop(lambda: raw_call(sock, packed, 1 + len(reply))),
         "store_run_resp": loop(lambda: store.run_resp(script, nargs, body)),
         "client_cpu_only": loop(client_cpu),
         "limiter_hit": loop(lambda: lim.hit("p1", "hot-subject")),
@@ -542,14 +554,14 @@ def p1_diagnosis(server: Server, lim: Limiter, r: redis.Redis, limits_hit: Calla
     samples = interleave(cands, 200, 10 if quick else 50)
     sock.close()
     admin = redis.Redis.from_url(server.url)
-    server_us: dict[str, list[float]] = {"incrby": [], "geolimit_evalsha": [], "limits_evalsha": []}
+    server_us: dict[str, list[float]] = {"incrby": [], "geolimit_script": [], "limits_script": []}
     for _ in range(3):  # redis-py's incr() sends INCRBY key 1
-        for name, cmd, run in (("incrby", "incrby", cands["redispy_incr"]),
-                               ("geolimit_evalsha", "evalsha", cands["limiter_hit"]),
-                               ("limits_evalsha", "evalsha", loop(limits_hit))):
+        for name, run in (("incrby", cands["redispy_incr"]), ("geolimit_script", cands["limiter_hit"]),
+                          ("limits_script", loop(limits_hit))):
             admin.config_resetstat()
             run(3000)
-            server_us[name].append(float(commandstats(admin)[cmd]["usec_per_call"]))
+            stats = commandstats(admin)
+            server_us[name].append(float((stats["incrby"] if name == "incrby" else script_stats(stats))["usec_per_call"]))
     admin.close()
     return {"per_op_median_us": {k: median(v) * 1e6 for k, v in samples.items()},
             "server_usec_per_call_median": {k: median(v) for k, v in server_us.items()}}

@@ -54,6 +54,7 @@ from _common import (
     quantile,
     replay_limits_memory,
     require,
+    script_stats,
     source_state,
     us,
 )
@@ -173,7 +174,8 @@ async def p2_async(server: Server, quick: bool) -> Result:
             cpu0, srv0 = time.process_time(), cpu_seconds(admin)
             n, el = await drive(cands[name], duration)
             cpu1, srv1 = time.process_time(), cpu_seconds(admin)
-            cmd = commandstats(admin).get("incrby" if name == "incr_async" else "evalsha", {})
+            stats = commandstats(admin)
+            cmd = stats.get("incrby", {}) if name == "incr_async" else script_stats(stats)
             calls = float(cmd.get("calls", 0))
             rates[name].append(n / el)
             stats[name].append({
