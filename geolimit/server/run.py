@@ -13,6 +13,7 @@ import time
 
 from geolimit.core.clock import Clock
 from geolimit.errors import ConfigError, GeolimitError
+from geolimit.http.listener import run_event_loop
 from geolimit.process import configure_logging, process_signals
 from geolimit.server.agent import Agent
 from geolimit.server.config import AgentConfig, load_config, with_workers
@@ -140,4 +141,4 @@ def run_agent(config_path: str, flush_timeout: float = 2.0, workers: int | None 
     configure_logging(config.log_format, config.log_level, worker_index if config.workers > 1 else None)
     if worker_index is None and config.workers > 1:
         return asyncio.run(_serve_workers(config, flush_timeout, config_path, workers is not None))
-    return asyncio.run(_serve(config, flush_timeout, config_path, worker_index, _test_clock()))
+    return run_event_loop(_serve(config, flush_timeout, config_path, worker_index, _test_clock()))  # uvloop when installed

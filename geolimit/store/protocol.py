@@ -26,6 +26,7 @@ __all__ = [
     "RequestBuilder",
     "RulePlan",
     "build_request",
+    "bulk",
     "decode_hit",
     "encode_hit",
     "encode_hit_resp",
@@ -61,8 +62,12 @@ def validate_cost(cost: object) -> int:
     return cost
 
 
-def _bulk(part: bytes) -> bytes:
+def bulk(part: bytes) -> bytes:
+    """``part`` as a RESP bulk string."""
     return b"$%d\r\n%b\r\n" % (len(part), part)
+
+
+_bulk = bulk
 
 
 @dataclass(frozen=True, slots=True)

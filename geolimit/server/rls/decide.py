@@ -24,11 +24,11 @@ from geolimit.core.rule import Rule
 from geolimit.errors import RequestError, StorageError
 from geolimit.http.headers import rate_limit_headers
 from geolimit.server.rls.descriptors import Domain, Limit, match, subject_of
-from geolimit.store.protocol import MAX_COST, REPLY_PER_RULE, HitRequest, RulePlan, decode_hit
+from geolimit.store.protocol import MAX_COST, REPLY_PER_RULE, HitRequest, RulePlan, bulk, decode_hit
 
 __all__ = [
     "MAX_DESCRIPTORS", "MAX_ENTRIES", "Answer", "Descriptor", "Result", "Status", "Transaction", "answer",
-    "decode_batch", "degraded", "encode_batch", "plan",
+    "decode_batch", "degraded", "encode_batch", "encode_batch_resp", "plan",
 ]
 
 #: Descriptors per request, and entries per descriptor, that the service accepts.
@@ -155,18 +155,75 @@ def _metric(limit: Limit, entries: Sequence[tuple[str, str]]) -> str:
     return limit.full_key
 
 
+_CONSUME = bulk(b"1")  # also: one member
+_PEEK = bulk(b"0")
+
+
 def _request(layout: KeyLayout, shard: int, cost: int, members: Sequence[tuple[RulePlan, bytes]]) -> HitRequest:
     """A ``hit.lua`` request over several (rule, subject) counters of one shard, consuming nothing.
 
-    Only ``keys`` and ``args`` are filled: these requests travel through
-    :func:`encode_batch` and :func:`~geolimit.store.protocol.encode_hit`, never pre-packed.
+    ``resp_args`` starts with the peek flag (``0``): :func:`encode_batch_resp` swaps it
+    for a transaction of one request.
     """
     tag = layout.tag(shard) + b":"
-    keys = layout.aux_keys(shard) + tuple(tag + p.name + b":" + subject for p, subject in members)
-    args: tuple[bytes, ...] = (b"0", b"%d" % cost, b"%d" % len(members))
+    aux = layout.aux_keys(shard)
+    if len(members) == 1:  # the usual request: the same as below, with fewer steps
+        p, subject = members[0]
+        key = tag + p.name + b":" + subject
+        counted = b"%d" % cost
+        return HitRequest((p.rule,), shard, (*aux, key), (b"0", counted, b"1", *p.args),
+                          _aux_resp(aux) + bulk(key), b"".join((_PEEK, bulk(counted), _CONSUME, p.resp)))
+    data = tuple(tag + p.name + b":" + subject for p, subject in members)
+    head: tuple[bytes, ...] = (b"0", b"%d" % cost, b"%d" % len(members))
+    args = head
     for p, _ in members:
         args += p.args
-    return HitRequest(tuple(p.rule for p, _ in members), shard, keys, args, b"", b"")
+    resp_keys = b"".join([_aux_resp(aux), *map(bulk, data)])
+    resp_args = b"".join([*map(bulk, head), *(p.resp for p, _ in members)])
+    return HitRequest(tuple(p.rule for p, _ in members), shard, aux + data, args, resp_keys, resp_args)
+
+
+_AUX_RESP: dict[tuple[bytes, ...], bytes] = {}
+
+
+def _aux_resp(aux: tuple[bytes, ...]) -> bytes:
+    """A shard's auxiliary keys, RESP-encoded (cached: a layout has a few hundred shards at most)."""
+    resp = _AUX_RESP.get(aux)
+    if resp is None:
+        resp = b"".join(map(bulk, aux))
+        if len(_AUX_RESP) < 4096:
+            _AUX_RESP[aux] = resp
+    return resp
+
+
+def encode_batch_resp(transactions: Sequence[Transaction], now_us: int | None, region: bytes,
+                      nonce: bytes) -> tuple[int, bytes]:
+    """:func:`encode_batch` as ``(argument count, RESP body)``, from the requests' pre-encoded
+    keys and arguments (the rules' arguments are encoded once, in their :class:`RulePlan`)."""
+    key_parts: list[bytes] = []
+    nkeys = 0
+    arg_parts: list[bytes] = [bulk(b"" if now_us is None else b"%d" % now_us), bulk(region), bulk(nonce),
+                              bulk(b"%d" % len(transactions))]
+    nargs = 4
+    for tx in transactions:
+        meta: list[bytes] = []
+        body: list[bytes] = []
+        nbody = 0
+        tx_keys = 0
+        reply_at = 1
+        single = len(tx.requests) == 1 and not any(rule.escrow for rule in tx.requests[0].rules)
+        for request, enforced in zip(tx.requests, tx.enforced, strict=True):
+            meta += (_CONSUME if enforced else _PEEK, bulk(b"%d" % (5 + nbody)), bulk(b"%d" % reply_at))
+            # one pass, consuming (script.py): the consume flag is the first argument
+            body.append(_CONSUME + request.resp_args[len(_PEEK):] if single else request.resp_args)
+            nbody += len(request.args)
+            key_parts.append(request.resp_keys)
+            tx_keys += len(request.keys)
+            reply_at += 1 + REPLY_PER_RULE * len(request.rules)
+        nkeys += tx_keys
+        arg_parts += (bulk(b"%d" % tx_keys), bulk(b"%d" % len(tx.requests)), bulk(b"%d" % nbody), *meta, *body)
+        nargs += 3 + len(meta) + nbody
+    return 1 + nkeys + nargs, b"".join([bulk(b"%d" % nkeys), *key_parts, *arg_parts])
 
 
 def encode_batch(transactions: Sequence[Transaction], now_us: int | None, region: bytes, nonce: bytes) -> list[bytes]:

@@ -26,8 +26,9 @@ from collections.abc import Callable, Sequence
 from geolimit.aio import Coalescer
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.core.decision import Decision
-from geolimit.server.rls.decide import Transaction, decode_batch, encode_batch
+from geolimit.server.rls.decide import Transaction, decode_batch, encode_batch, encode_batch_resp
 from geolimit.server.rls.script import rls_script
+from geolimit.store.async_store import AsyncRedisStore
 from geolimit.store.protocol import decode_hit, encode_hit
 from geolimit.store.scripts import load_script
 
@@ -71,8 +72,12 @@ class Executor:
 
     async def _run(self, transactions: Sequence[Transaction]) -> list[list[Decision]]:
         now = await self._prepare()
-        args = encode_batch(transactions, now, self._region, self._nonce)
-        return decode_batch(await self._limiter.store.run(self._script, args), transactions)
+        store = self._limiter.store
+        if isinstance(store, AsyncRedisStore):  # pre-encoded: the rules' arguments are RESP already
+            nargs, body = encode_batch_resp(transactions, now, self._region, self._nonce)
+            return decode_batch(await store.run_resp(self._script, nargs, body), transactions)
+        return decode_batch(await store.run(self._script, encode_batch(transactions, now, self._region, self._nonce)),
+                            transactions)
 
     async def _clustered(self, tx: Transaction) -> list[Decision]:
         by_shard: dict[int, list[int]] = {}
