@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
+import redis.asyncio
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from geolimit.server.agent import Agent
@@ -258,6 +259,35 @@ async def test_streams_over_the_limit_are_refused_and_the_others_served(agent: A
                for i, sid in enumerate(opened[:h2c.MAX_STREAMS])))
     for sid in opened[:h2c.MAX_STREAMS]:
         assert (await raw.answer(sid)).status == OK_STATUS
+    await healthy(agent)
+
+
+async def test_resets_of_calls_in_progress_count_against_the_stream_limit(agent: Agent, raw: Raw) -> None:
+    """Rapid reset: requests reset as soon as they are sent cannot pile up decisions."""
+    admin = redis.asyncio.Redis.from_url(agent.config.redis_url)
+    try:
+        await admin.execute_command("CLIENT", "PAUSE", "4000", "ALL")  # every decision waits 4 s in Redis
+        sent = [raw.stream() for _ in range(h2c.MAX_STREAMS + 10)]
+        raw.send(*(frame(FrameType.HEADERS, END_HEADERS, sid, raw.block(request_fields())) + frame(
+            FrameType.DATA, END_STREAM, sid, grpc_message(rls_request(f"10.8.0.{i % 200}"))) + frame(
+            FrameType.RST_STREAM, 0, sid, Error.CANCEL.to_bytes(4, "big")) for i, sid in enumerate(sent)))
+        refused: list[int] = []
+        while len(refused) < 10:
+            kind, _, sid, payload = await raw.frame()
+            if kind == FrameType.RST_STREAM:
+                assert int.from_bytes(payload, "big") == Error.REFUSED_STREAM
+                refused.append(sid)
+        assert refused == sent[-10:], "the reset calls still being decided held the stream limit"
+    finally:
+        await admin.aclose()
+    # Once Redis answers, the reset calls end (their answers are dropped) and the
+    # connection takes new calls again: refused until then.
+    deadline = asyncio.get_running_loop().time() + 30
+    answer = await raw.answer(raw.call(rls_request()))
+    while answer.reset == Error.REFUSED_STREAM and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.1)
+        answer = await raw.answer(raw.call(rls_request()))
+    assert answer.status == OK_STATUS
     await healthy(agent)
 
 

@@ -14,7 +14,9 @@ bytes); answers are precomputed frames (:mod:`geolimit.server.rls.h2wire`).
 What it refuses: another method is ``UNIMPLEMENTED``, a compressed message
 ``UNIMPLEMENTED``, a message over the limit or a header list over
 :data:`MAX_HEADER_LIST` ``RESOURCE_EXHAUSTED``, more than
-:data:`MAX_STREAMS` open streams ``REFUSED_STREAM``. Bytes that break the
+:data:`MAX_STREAMS` open streams ``REFUSED_STREAM`` (a stream the client reset
+while its call was being decided stays counted until the call ends, so a flood of
+resets cannot pile up work: "rapid reset"). Bytes that break the
 protocol end the connection with GOAWAY (``PROTOCOL_ERROR`` and the like), as
 does a frame (or the preface) left incomplete for :data:`FRAME_TIMEOUT` seconds.
 ``grpc-timeout`` is ignored: the client cancels a late call itself (RST_STREAM).

@@ -55,6 +55,9 @@ class H2Connection(Answering, asyncio.Protocol):
         self._peer_window = w.DEFAULT_WINDOW  # SETTINGS_INITIAL_WINDOW_SIZE of the peer
         self._peer_frame = w.DEFAULT_MAX_FRAME
         self._blocked: dict[int, Stream] = {}  # streams whose answer waits for a window
+        # Streams the client reset while their call was still being decided: they count
+        # against max_streams until the call ends, so resets cannot pile up work (rapid reset).
+        self._orphans: set[int] = set()
         self._out: list[bytes] = []
         self._paused = False
         self._draining = False
@@ -281,7 +284,7 @@ class H2Connection(Answering, asyncio.Protocol):
         if self._draining:
             self._write(w.rst_stream(sid, Error.REFUSED_STREAM))
             return
-        if len(self._streams) >= self._limits.max_streams:
+        if len(self._streams) + len(self._orphans) >= self._limits.max_streams:
             self._write(w.rst_stream(sid, Error.REFUSED_STREAM))
             return
         stream = self._streams[sid] = Stream(self._peer_window, self._stream_window)

@@ -48,6 +48,8 @@ def control(conn: H2Connection, kind: int, flags: int, sid: int, payload: bytes)
         _idle_check(conn, sid, "RST_STREAM")
         stream = conn._streams.get(sid)
         if stream is not None:  # the call is cancelled: a late answer finds no stream
+            if stream.handed and not stream.pending and not stream.trailers:
+                conn._orphans.add(sid)  # still being decided: counts as open until it ends
             conn._forget(sid, stream)
     elif kind == FrameType.PRIORITY:
         if not sid:

@@ -44,6 +44,7 @@ class Answering:
     _loop: asyncio.AbstractEventLoop
     _streams: dict[int, Stream]
     _blocked: dict[int, Stream]
+    _orphans: set[int]
     _send_window: int
     _peer_frame: int
     _buffered: int
@@ -53,7 +54,10 @@ class Answering:
 
     def answer(self, sid: int, message: bytes) -> None:
         stream = self._streams.get(sid)
-        if stream is None or self.closed or stream.pending or stream.trailers:
+        if stream is None:
+            self._orphans.discard(sid)  # its call has ended
+            return
+        if self.closed or stream.pending or stream.trailers:
             return  # reset, answered already, or the connection is gone
         stream.handed = True
         n = len(message) + 5
@@ -71,7 +75,10 @@ class Answering:
 
     def fail(self, sid: int, code: int, details: str, http_status: int = 200) -> None:
         stream = self._streams.get(sid)
-        if stream is None or self.closed or stream.pending or stream.trailers:
+        if stream is None:
+            self._orphans.discard(sid)
+            return
+        if self.closed or stream.pending or stream.trailers:
             return
         stream.handed = True
         self._buffered -= len(stream.body)
