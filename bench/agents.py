@@ -309,13 +309,15 @@ def targets(outcomes: Sequence[Outcome]) -> list[tuple[str, str, str, str, str, 
     by = {(o.scenario.name, o.variant): o for o in outcomes}
     rows: list[tuple[str, str, str, str, str, str]] = []
 
-    def add(name: str, variant: str, target: str, goal: str, figure: Figure) -> None:
+    def add(name: str, variant: str, target: str, goal: str, figure: Figure, context: bool = False) -> None:
+        """``context``: a figure shown beside the targets, not one of them (verdict "info")."""
         o = by.get((name, variant))
         if o is None:
             return
         shown, met = figure(o)
         sim, exact = (figure(b)[0] if b else "-" for b in (by.get((name, v)) for v in BASELINES[variant]))
-        rows.append((target, shown, sim, exact, goal, INSUFFICIENT if o.insufficient else PASS if met else MISS))
+        verdict = INSUFFICIENT if o.insufficient else "info" if context else PASS if met else MISS
+        rows.append((target, shown, sim, exact, goal, verdict))
 
     add("standard", AGENTS, "worst window over, standard", "<= 1%", _at_most("max_over_pct", 1.0))
     add("standard", AGENTS, "under-use, standard", "<= 3%", _at_most("under_use_pct", 3.0))
@@ -331,7 +333,9 @@ def targets(outcomes: Sequence[Outcome]) -> list[tuple[str, str, str, str, str, 
                     f"<= {o.scenario.limit}",
                     lambda o: (f"{o.accuracy.admitted} of {o.accuracy.requests}", o.accuracy.admitted <= o.scenario.limit))
     add("standard", AGENTS_ESCROW, "escrow: under-use, standard", "<= 5%", _at_most("under_use_pct", 5.0))
-    add("handoff", AGENTS_ESCROW, "escrow: handoff, r2 admits", ">= 95%", _handoff)
+    # Issue 10's handoff target (>= 95%) is the default mode's; in escrow mode the figure is
+    # the price of rights that travel (docs/design.md §14), shown for comparison.
+    add("handoff", AGENTS_ESCROW, "escrow: handoff, r2 admits", "(cost)", _handoff, context=True)
     return rows
 
 
@@ -349,7 +353,8 @@ def format_report(outcomes: Sequence[Outcome]) -> str:
                                  for r, peers in x["clock_offsets"].items())
                 lines.append(f"  clock offsets measured by the agents: {seen}")
     for reason in dict.fromkeys(o.insufficient for o in outcomes if o.insufficient):
-        lines.append(f"INSUFFICIENT: {reason}; its figures say nothing about the targets. Run without --duration.")
+        hint = "" if "load generator" in reason else " Run without --duration."
+        lines.append(f"INSUFFICIENT: {reason}; its figures say nothing about the targets.{hint}")
     lines.append("")
     lines.append(f"{'target':40} {'agents':>12} {'simulator':>12} {'exact':>12}  {'goal':8} verdict")
     for target, measured, sim, exact, goal, verdict in targets(outcomes):

@@ -123,6 +123,11 @@ class Outcome:
         need = self.scenario.min_duration
         if self.scenario.duration < need:
             return f"{self.scenario.duration:g} s is shorter than the {need:g} s {self.scenario.name} needs"
+        late = self.extra.get("late_p99_ms")  # real-time runs (bench/agents.py): how late requests left
+        if late is not None and late > self.scenario.interval * 1000:
+            return (f"{self.scenario.name}: the load generator fell behind its schedule (sends late by p99 "
+                    f"{late:g} ms, more than the {self.scenario.interval * 1000:g} ms gossip interval), so the "
+                    "arrivals were not the scenario's (a stalled machine?); run it again")
         return None
 
 

@@ -29,7 +29,7 @@ from prometheus_client import Counter, Histogram
 
 from geolimit.errors import GeolimitError, RequestError, StorageError
 from geolimit.server.rls.decide import Answer, Descriptor, Transaction, answer, degraded, plan
-from geolimit.server.rls.descriptors import UNIT_CODES
+from geolimit.server.rls.encode import encode_response
 from geolimit.server.rls.executor import Executor
 from geolimit.server.rls.h2c import FastServer
 from geolimit.server.rls.transport import StatusCode, UnaryServer
@@ -45,8 +45,6 @@ log = logging.getLogger("geolimit.agent")
 
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 METHOD = f"/{SERVICE}/ShouldRateLimit"
-_OK = rls_pb2.RateLimitResponse.OK
-_OVER_LIMIT = rls_pb2.RateLimitResponse.OVER_LIMIT
 _MAX_WARNED_DOMAINS = 100
 
 
@@ -155,7 +153,7 @@ class RlsServer:
             if child is None:
                 child = self._counted[labels] = self.decisions.labels(*labels)
             child.inc()
-        call.reply(_response(result).SerializeToString())
+        call.reply(encode_response(result))
         self.request_seconds.observe(time.perf_counter() - started)
 
     def _plan(self, request: Any) -> tuple[str, Transaction, asyncio.Future[list[Decision]] | None, str]:
@@ -198,21 +196,3 @@ def _fail(call: Call, exc: BaseException) -> None:
     else:
         log.error("ShouldRateLimit crashed", exc_info=exc)
         call.fail(StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
-
-
-def _response(result: Answer) -> Any:
-    response = rls_pb2.RateLimitResponse(overall_code=_OVER_LIMIT if result.over_limit else _OK)
-    for s in result.statuses:
-        status = response.statuses.add(code=_OVER_LIMIT if s.over_limit else _OK, limit_remaining=s.remaining)
-        if s.limit is not None and s.limit.rule is not None:
-            current = status.current_limit
-            current.name = s.limit.rule.name
-            current.requests_per_unit = s.limit.requests_per_unit
-            current.unit = UNIT_CODES[s.limit.unit]
-        if s.reset_after is not None:
-            micros = round(s.reset_after * 1e6)
-            status.duration_until_reset.seconds = micros // 1_000_000
-            status.duration_until_reset.nanos = micros % 1_000_000 * 1000
-    for key, value in result.headers:
-        response.response_headers_to_add.add(key=key, value=value)
-    return response
