@@ -245,16 +245,21 @@ async def test_answers_wait_for_the_clients_windows(agent: Agent) -> None:
     await healthy(agent)
 
 
-async def test_streams_over_the_limit_are_refused_and_the_others_served(agent: Agent, raw: Raw) -> None:
-    opened = [raw.stream() for _ in range(h2c.MAX_STREAMS + 10)]
-    raw.send(*(frame(FrameType.HEADERS, END_HEADERS, sid, raw.block(request_fields())) for sid in opened))
+async def refused_streams(raw: Raw, n: int) -> list[int]:
+    """The next ``n`` streams the server resets, each with REFUSED_STREAM."""
     refused: list[int] = []
-    while len(refused) < 10:
+    while len(refused) < n:
         kind, _, sid, payload = await raw.frame()
         if kind == FrameType.RST_STREAM:
             assert int.from_bytes(payload, "big") == Error.REFUSED_STREAM
             refused.append(sid)
-    assert refused == opened[-10:]
+    return refused
+
+
+async def test_streams_over_the_limit_are_refused_and_the_others_served(agent: Agent, raw: Raw) -> None:
+    opened = [raw.stream() for _ in range(h2c.MAX_STREAMS + 10)]
+    raw.send(*(frame(FrameType.HEADERS, END_HEADERS, sid, raw.block(request_fields())) for sid in opened))
+    assert await refused_streams(raw, 10) == opened[-10:]
     raw.send(*(frame(FrameType.DATA, END_STREAM, sid, grpc_message(rls_request(f"10.7.0.{i % 200}")))
                for i, sid in enumerate(opened[:h2c.MAX_STREAMS])))
     for sid in opened[:h2c.MAX_STREAMS]:
@@ -271,13 +276,7 @@ async def test_resets_of_calls_in_progress_count_against_the_stream_limit(agent:
         raw.send(*(frame(FrameType.HEADERS, END_HEADERS, sid, raw.block(request_fields())) + frame(
             FrameType.DATA, END_STREAM, sid, grpc_message(rls_request(f"10.8.0.{i % 200}"))) + frame(
             FrameType.RST_STREAM, 0, sid, Error.CANCEL.to_bytes(4, "big")) for i, sid in enumerate(sent)))
-        refused: list[int] = []
-        while len(refused) < 10:
-            kind, _, sid, payload = await raw.frame()
-            if kind == FrameType.RST_STREAM:
-                assert int.from_bytes(payload, "big") == Error.REFUSED_STREAM
-                refused.append(sid)
-        assert refused == sent[-10:], "the reset calls still being decided held the stream limit"
+        assert await refused_streams(raw, 10) == sent[-10:], "the reset calls being decided held the limit"
     finally:
         await admin.aclose()
     # Once Redis answers, the reset calls end (their answers are dropped) and the

@@ -47,3 +47,21 @@ def test_a_short_run_through_real_agents_prints_its_table_and_insufficient(tmp_p
     assert abs(offsets["r1"]["r2"]) == pytest.approx(1.0, abs=0.25)
     assert abs(offsets["r2"]["r3"]) == pytest.approx(2.0, abs=0.25)
     assert abs(offsets["r1"]["r3"]) == pytest.approx(1.0, abs=0.25)
+
+
+def test_over_admission_for_certain_allows_for_each_round_trip() -> None:
+    """Escrow's limit is judged on units certainly over: a decision fell somewhere in its round trip."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from agents import certain_over  # bench/agents.py
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    w = 10_000_000
+    # Two admissions 10 s apart by their midpoints, each with a 2 ms round trip: they may
+    # be just over 10 s apart, so not certainly in one window.
+    edge = [(0, 2_000), (w - 1_000, w + 1_000)]
+    assert certain_over(edge, 1, w) == 0
+    # Well inside one window whatever the round trips: certainly one over.
+    inside = [(0, 2_000), (w - 5_000, w - 3_000)]
+    assert certain_over(inside, 1, w) == 1
+    assert certain_over([(i * 1_000, i * 1_000 + 500) for i in range(12)], 10, w) == 2
