@@ -66,6 +66,10 @@ class EscrowPeer:
     #: Shards in which the last complete pull found this region's own writes (its adverts
     #: or its gifts): it held escrow state there before, so a hold there lasts a window.
     traced: frozenset[int] = frozenset()
+    #: Held shards in which the peer had recorded an earlier hold of this region (its first
+    #: pull after a deployment records one): this Redis held escrow state there and lost it,
+    #: whether or not any of its admissions were advertised before, so the hold lasts a window.
+    known: frozenset[int] = frozenset()
     pulls: int = 0
     last_error: str | None = None
 
@@ -91,6 +95,7 @@ class EscrowReplicator:
         self.set_rules(rules)
         self._tasks: set[asyncio.Task[None]] = set()
         self.held: int | None = None  # shards whose escrow rules are denied until restored (None: not looked yet)
+        self.holding: dict[int, int] = {}  # held shard -> hold start (µs), sent with every pull
         self.stats: dict[str, int] = dict.fromkeys(
             ("rounds", "keys", "given", "pushed", "merged", "refused", "pulled", "released", "dropped"), 0)
 
@@ -129,14 +134,15 @@ class EscrowReplicator:
 
     async def _release(self, now: int) -> None:
         held = await self.store.holds(self.owned, now)
+        self.holding = dict(held.since)
         longest = max(r.window_us for r in self.rules.values())
         settle = int(self.timeout * 1_000_000)  # pushes in flight at the loss have landed by then
         self.held = len(held.since)
         for shard, since in held.since.items():
             fresh = [p for p in self.peers.values() if (p.pulled_since_us or 0) < since + settle]
-            # No peer holds anything this region wrote in the shard: a new deployment (or a
-            # loss before its first advert left), not a loss of state it had shared: no window.
-            unknown_here = not any(shard in p.traced for p in self.peers.values())
+            # No peer holds anything this region wrote in the shard, nor saw an earlier hold of
+            # it: a new deployment, not a loss of state: no window to wait out.
+            unknown_here = not any(shard in p.traced or shard in p.known for p in self.peers.values())
             if not fresh and (unknown_here or now >= since + longest):
                 await self.store.release(shard)
                 self.held -= 1
@@ -222,15 +228,20 @@ class EscrowReplicator:
             started = await self.now_us()
             cursor: tuple[int, int, int] | None = (0, 0, 0)
             traced: set[int] = set()
+            known: set[int] = set()
+            holds = dict(self.holding)
             while cursor is not None:
-                reply = await self._send(peer, self._message("pull", peer.name, cursor=cursor))
+                reply = await self._send(peer, self._message("pull", peer.name, cursor=cursor, holds=holds))
                 if reply is None:
                     return
                 self.stats["pulled"] += len(reply.keys)
                 await self.merge(reply, None)  # vets the page first
                 traced.update(self._traces(reply))
+                known.update(s for s in reply.known if s in holds)
+                holds = {}  # recorded by the first page
                 cursor = None if reply.done else reply.cursor
             peer.traced = frozenset(traced)
+            peer.known = frozenset(known)
             peer.pulled_since_us = started
             peer.pulls += 1
             peer.pull_due = self.clock() + self.pull_interval
@@ -281,9 +292,10 @@ class EscrowReplicator:
             if admit is not None:
                 await admit()
             rules = list(self.rules.values())
+            known = await self.store.recall(peer.name, message.holds)
             keys, cursor = await self.store.page(rules, message.cursor or (0, 0, 0))
             reply = self._message("page", peer.name, keys=[(s, _pairs(f)) for s, f in keys], cursor=cursor,
-                                  done=cursor is None)
+                                  done=cursor is None, known=known)
         else:
             raise ProtocolError(f"escrow: a peer cannot send {message.kind!r}")
         peer.last_ok = self.clock()

@@ -7,6 +7,8 @@
 * :meth:`EscrowStore.page` reads a page of escrow keys for a peer's pull (SCAN);
 * :meth:`EscrowStore.holds` and :meth:`EscrowStore.release` handle the per-shard hold
   after a new or wiped Redis (registry fields ``xs``: since when, ``xo``: intact);
+* :meth:`EscrowStore.recall` records a peer's holds and tells which ones follow an
+  earlier hold of that peer (registry field ``xk:<peer>``: its first hold's start);
 * :meth:`EscrowStore.publish` tells the apps the regions (rules hash, ``@escrow``).
 """
 
@@ -119,6 +121,26 @@ class EscrowStore:
             if intact is None and since is not None:
                 held.since[shard] = int(since)
         return held
+
+    async def recall(self, peer: str, holds: Mapping[int, int]) -> list[int]:
+        """Record ``peer``'s held shards (the first hold per shard is kept) and return the
+        shards where an earlier hold of that peer was recorded: its Redis held escrow state
+        there before (it was restored once, then lost again)."""
+        if not holds:
+            return []
+        field_name = f"xk:{peer}"
+        shards = sorted(holds)
+        try:
+            pipe = self.store.client().pipeline(transaction=False)
+            for shard in shards:
+                reg = self.layout.registry_key(shard)
+                pipe.hsetnx(reg, field_name, str(holds[shard]))
+                pipe.hget(reg, field_name)
+            got = await pipe.execute()
+        except Exception as exc:
+            raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
+        return [shard for shard, first in zip(shards, got[1::2], strict=True)
+                if first is not None and first != str(holds[shard]).encode()]
 
     async def release(self, shard: int) -> None:
         try:

@@ -7,7 +7,16 @@ They travel on their own endpoint, ``POST /v1/escrow``, signed like gossip
      "rules": [[NAME, WINDOW_US, RESOLUTION_US], ...],   # the sender's escrow rules
      "keys": [[SUFFIX, [FIELD, VALUE, ...]], ...],       # SUFFIX: b"rule:subject"
      "cursor": [RULE_INDEX, NODE_INDEX, SCAN_CURSOR],    # pull: where to go on
+     "holds": [[SHARD, SINCE_US], ...],                  # pull: the sender's held shards
+     "known": [SHARD, ...],                              # page: held shards the responder knew
      "done": true}                                       # page: the scan is complete
+
+``holds`` names the shards whose escrow state the sender holds back (a new or
+wiped Redis) with the hold's start on the sender's clock, which identifies the
+hold. The responder records the first hold it sees per sender and shard, and
+answers in ``known`` the shards where it recorded another one: the sender's
+Redis held escrow state there before, so its admissions of the last window may
+still count and the hold lasts a window.
 
 KIND is ``push`` (changed keys; answered by ``ack``) or ``pull`` (answered by a
 ``page`` of the responder's keys from ``cursor`` on). Field names and values are
@@ -47,6 +56,8 @@ class EscrowMessage:
     keys: list[tuple[bytes, list[Any]]] = field(default_factory=list)  # (rule:subject, [name, value, ...])
     cursor: Cursor | None = None
     done: bool = False
+    holds: dict[int, int] = field(default_factory=dict)  # pull: held shard -> hold start (µs, sender's clock)
+    known: list[int] = field(default_factory=list)  # page: held shards the responder saw an earlier hold of
 
 
 def encode(message: EscrowMessage) -> bytes:
@@ -59,6 +70,10 @@ def encode(message: EscrowMessage) -> bytes:
         body["cursor"] = list(message.cursor)
     if message.done:
         body["done"] = True
+    if message.holds:
+        body["holds"] = [[shard, since] for shard, since in sorted(message.holds.items())]
+    if message.known:
+        body["known"] = sorted(message.known)
     return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
 
 
@@ -113,8 +128,26 @@ def decode(body: bytes) -> EscrowMessage:
         if not isinstance(cursor, list) or len(cursor) != 3:
             raise _fail("cursor must be [rule index, node index, scan cursor]")
         cursor = (_uint(cursor[0], "cursor"), _uint(cursor[1], "cursor"), _uint(cursor[2], "cursor"))
+    shards = _uint(raw.get("shards", 0), "shards")
+    holds: dict[int, int] = {}
+    entries = raw.get("holds", [])
+    if not isinstance(entries, list) or len(entries) > shards:
+        raise _fail("holds must be a list of at most one entry per shard")
+    for entry in entries:
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise _fail("a hold entry is [shard, since_us]")
+        shard = _uint(entry[0], "hold shard")
+        if shard >= shards or shard in holds:
+            raise _fail("a hold names a shard out of range or twice")
+        holds[shard] = _uint(entry[1], "hold start")
+    known = raw.get("known", [])
+    if not isinstance(known, list) or len(known) > shards:
+        raise _fail("known must be a list of at most one entry per shard")
+    known = [_uint(shard, "known shard") for shard in known]
+    if any(shard >= shards for shard in known):
+        raise _fail("known names a shard out of range")
     return EscrowMessage(
         kind=kind, sender=_name(raw.get("from"), "from"), dest=_name(raw.get("to"), "to"),
-        shards=_uint(raw.get("shards", 0), "shards"), rules=rules, keys=pairs, cursor=cursor,
-        done=raw.get("done") is True,
+        shards=shards, rules=rules, keys=pairs, cursor=cursor,
+        done=raw.get("done") is True, holds=holds, known=known,
     )

@@ -135,3 +135,27 @@ async def test_a_region_that_lost_its_redis_denies_until_restored_and_never_resp
         assert burst == 100
         again = sum(apps[n].hit("login", "u").allowed for n in NAMES for _ in range(100))
         assert again == 100, "b's admissions left the window; the rights a gave b stay b's"
+
+
+async def test_a_region_that_spent_while_its_agent_was_down_then_lost_its_redis_waits_a_window(
+    redis_server_factory: Factory,
+) -> None:
+    """Admissions no peer ever heard of (the agent was down) still count after a loss."""
+    async with Regions(redis_server_factory, NAMES, [LOGIN], run_loops=False) as rs:
+        await ready(rs)
+        apps = {n: rs[n].app() for n in NAMES}
+        # No round runs: a's agent is down while every region spends its share of a new key.
+        assert sum(apps[n].hit("login", "z").allowed for n in NAMES for _ in range(40)) == 100
+        rs["a"].client().flushall()
+        await rs.restart_agent("a")  # a new agent process: nothing in memory either
+        await rs.step(2)
+        rs.clock.advance(rs["a"].agent.config.timeout)
+        await rs.step(3)
+        lost = apps["a"].hit("login", "z")
+        assert not lost.allowed, "a's lost admissions of this window would be admitted twice"
+        assert lost.error is not None
+        assert "restored" in lost.error
+        assert sum(apps[n].hit("login", "z").allowed for n in NAMES for _ in range(40)) == 0
+        rs.clock.advance(LOGIN.window)
+        await rs.step(3)
+        assert sum(apps[n].hit("login", "y").allowed for n in NAMES for _ in range(40)) == 100

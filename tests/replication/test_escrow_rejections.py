@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
+import msgpack
 import pytest
 
 from geolimit import ManualClock, Rule
@@ -184,3 +185,45 @@ async def test_a_key_may_not_grow_past_the_fields_one_message_can_carry(rs: Regi
     await rs.step(2)
     assert _failures(rs, "b") == {"a": (0, None), "c": (0, None)}
     assert rs["c"].client().hlen(_key(rs, "c", b"victim")) >= MAX_FIELDS_PER_KEY
+
+
+def _pull(holds: dict[int, int]) -> bytes:
+    return escrow_wire.encode(EscrowMessage(
+        "pull", "a", "b", 64, {"login": (LOGIN.window_us, LOGIN.resolution_us)}, cursor=(0, 0, 0), holds=holds))
+
+
+@pytest.mark.parametrize(("holds", "reason"), [
+    ([[64, 1]], b"out of range"),
+    ([[3, 1], [3, 2]], b"twice"),
+    ([[3, -1]], b"hold start"),
+    ([[3]], b"hold entry"),
+    ("x", b"holds must be a list"),
+    ([[i, 1] for i in range(65)], b"holds must be a list"),
+])
+async def test_a_pull_with_bad_holds_is_refused_and_nothing_is_recorded(
+    rs: Regions, holds: Any, reason: bytes,
+) -> None:
+    body = msgpack.unpackb(_pull({1: 5}), raw=False)
+    body["holds"] = holds
+    before = dump_all(rs["b"].client())
+    status, answer = await _post(rs, msgpack.packb(body, use_bin_type=True))
+    assert status == 400, answer
+    assert reason in answer
+    assert dump_all(rs["b"].client()) == before
+
+
+async def test_a_peer_remembers_the_first_hold_of_a_region_and_names_a_later_one(rs: Regions) -> None:
+    def known(answer: bytes) -> list[int]:
+        return escrow_wire.decode(answer).known
+
+    # b recorded a's holds when a's new Redis pulled it (the fixture's deployment).
+    client = rs["b"].client()
+    layout = rs["b"].agent.escrow.layout  # type: ignore[union-attr]
+    first = {s: int(client.hget(layout.registry_key(s), "xk:a")) for s in (5, 9)}
+    status, answer = await _post(rs, _pull(first))
+    assert status == 200
+    assert known(answer) == []
+    status, answer = await _post(rs, _pull({5: first[5] + 1, 9: first[9]}))
+    assert status == 200
+    assert known(answer) == [5]
+    assert int(client.hget(layout.registry_key(5), "xk:a")) == first[5]  # the first one is kept
