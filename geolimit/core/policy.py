@@ -278,6 +278,14 @@ def reserve(
             predicted += held
             # Once its counts are older than partition_after, a peer is no longer predicted for.
             ends = max(ends, until + partition_after_us + 1)
+            # News may come before that: an update current at `until2` ends the rate of rises
+            # merged before `until2` only (a rise is merged after the counts it came with were
+            # current: news travels), and approximate mode counts a rise for partition_after
+            # after its merge. So the prediction may last until the newest such rise is
+            # partition_after old, whatever news comes.
+            newest = [r.at_us for r in rises.get(region, ()) if r.at_us >= until] + [r.at_us for r in recent]
+            if newest:
+                ends = max(ends, max(newest) + partition_after_us + 1)
             if rate > 0 and (falls is None or until + partition_after_us + 1 < falls):
                 falls = until + partition_after_us + 1
     if shared > 0 and shared > base - 1:  # the last unit of the room goes to someone

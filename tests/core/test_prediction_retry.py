@@ -62,15 +62,36 @@ def test_a_fresh_peer_burst_denies_for_at_most_the_prediction_not_the_window() -
     assert later.allowed, "waiting retry_after is enough when nothing new happens"
 
 
+def test_news_that_a_peer_stopped_does_not_make_waiting_retry_after_too_short() -> None:
+    """Approximate mode, as three real agents showed it: east's 6 were merged here after
+    its counts were current (news travels), and east's later updates say it stopped. Its
+    recent rise still counts until it is partition_after old, so retry_after reaches
+    that far, and waiting it out is enough (before: denied again with a new retry_after)."""
+    rule = Rule("api", 10, 60, 1, "approximate")
+    now = T0 + 10 * SECOND + 300_000
+    model = region(rule, [(6, 0)], known_age_us=100_000, now=now)  # merged now, counts 0.1 s old
+    model.peer_known["west"] = now - 150_000  # west idle, its last update older still
+    (first,) = model.hit([rule], b"u", 2, now + 70_000, consume=False)
+    assert not first.allowed
+    assert first.retry_after_us <= rule.partition_after_us + 1
+    at = now + 70_000 + first.retry_after_us
+    model.peer_known = {"east": at - 50_000, "west": at - 50_000}  # east's last update: nothing new
+    (later,) = model.hit([rule], b"u", 2, at, consume=False)
+    assert later.allowed, "waiting retry_after is enough, news of a stopped peer included"
+
+
 @settings(max_examples=300, deadline=None)
-@given(**SCHEDULES, cost=st.integers(1, 5), approx=st.booleans())
+@given(**SCHEDULES, cost=st.integers(1, 5), approx=st.booleans(), news=st.none() | st.floats(0.0, 1.0))
 def test_retry_after_is_at_most_until_the_prediction_expires_and_then_enough(
     limit: int, buckets: int, after_ms: int, peer_hits: list[tuple[int, int]], own: int, age_us: int,
-    into: int, cost: int, approx: bool,
+    into: int, cost: int, approx: bool, news: float | None,
 ) -> None:
     """With no new traffic: retry_after is at most the later of when the prediction
     expires and when the window alone admits the request, and waiting it out (or
-    until the prediction expired, if later) is enough.
+    until the prediction expired, if later) is enough, whether or not the peers'
+    updates (``news``: when, as a fraction of the wait) say that they stopped. In
+    approximate mode news can also keep a peer in contact while room frees up, and
+    its share of that room is then reserved for up to partition_after more.
 
     Not held: that it never points past the *first* admission. A peer's predicted
     rate can drop earlier (its recent buckets leave the window at a boundary), or
@@ -92,6 +113,14 @@ def test_retry_after_is_at_most_until_the_prediction_expires_and_then_enough(
     if held.predicted > 0:
         assert retry <= max(window_only.retry_after_us, held.predicted_until_us - now)
     wait = max(retry, held.predicted_until_us - now)
+    if news is not None:  # the peers' last updates before the wait ends: no new admission
+        heard = now + int(news * wait)
+        model.peer_known = {p: max(t, heard) for p, t in model.peer_known.items()}
+    if news is not None and approx:
+        # Room the window frees while peers are in contact is split between the regions
+        # (the contested room): a peer's share of it stays reserved while its counts
+        # are at most partition_after old, news or not.
+        wait += rule.partition_after_us + 1
     assert model.hit([rule], b"u", cost, now + wait, consume=False)[0].allowed, "waiting it out is enough"
 
 

@@ -105,7 +105,7 @@ end
 -- what the window frees and takes in `after`, without a cap; see reserve()).
 local function reservation(info, slots, rises, own_region, limit, now, predict, partition, after, win)
   local owner, known, regions = info[1], info[2], info[3]
-  local counts, rates, lasts = {}, {}, {}
+  local counts, rates, lasts, newest = {}, {}, {}, {}
   for s, v in pairs(slots) do
     local r = owner[s]
     if r and r ~= own_region then counts[r] = (counts[r] or 0) + v end
@@ -146,11 +146,15 @@ local function reservation(info, slots, rises, own_region, limit, now, predict, 
     for s, t in pairs(rises) do
       local r = owner[s]
       local untl = r and known[r]
-      if untl and r ~= own_region and t[1] >= untl then rates[r] = (rates[r] or 0) + t[2] / t[3] end
+      if untl and r ~= own_region and t[1] >= untl then
+        rates[r] = (rates[r] or 0) + t[2] / t[3]
+        if not newest[r] or t[1] > newest[r] then newest[r] = t[1] end
+      end
       if split and untl and r ~= own_region and t[1] >= now - after then
-        local l = lasts[r] or {0, nil}
+        local l = lasts[r] or {0, nil, nil}
         l[1] = l[1] + t[2] / t[3]
         if l[2] == nil or t[1] < l[2] then l[2] = t[1] end  -- the oldest: it leaves first
+        if l[3] == nil or t[1] > l[3] then l[3] = t[1] end  -- the newest: the reserve lasts until it leaves
         lasts[r] = l
       end
     end
@@ -190,6 +194,11 @@ local function reservation(info, slots, rises, own_region, limit, now, predict, 
         predicted = predicted + held
         -- Once its counts are older than `after`, a peer is no longer predicted for.
         if untl + after + 1 > ends then ends = untl + after + 1 end
+        -- News may come before that: it ends the rate of rises merged before it only, and
+        -- approximate mode counts a rise for `after` after its merge (see reserve() in policy.py).
+        local l, t = lasts[r], newest[r]
+        if l and (not t or l[3] > t) then t = l[3] end
+        if t and t + after + 1 > ends then ends = t + after + 1 end
         -- ... so a reserve above 0 may first shrink then (it only grows before).
         if rate > 0 and (not falls or untl + after + 1 < falls) then falls = untl + after + 1 end
       end
