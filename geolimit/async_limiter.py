@@ -22,7 +22,7 @@ from geolimit.core.clock import Clock
 from geolimit.core.decision import Decision
 from geolimit.core.keys import KeyLayout, encode_subject
 from geolimit.core.rule import Rule
-from geolimit.core.usage import Usage, summarize
+from geolimit.core.usage import Usage
 from geolimit.errors import StorageError
 from geolimit.limiter_base import ESCROW_FIELD, LimiterBase, OnError, RuleSpec, rule_spec
 from geolimit.store.async_store import AsyncClusterStore, AsyncRedisStore, AsyncStore
@@ -122,7 +122,7 @@ class AsyncLimiter(LimiterBase):
         return list(await asyncio.gather(*(self._submit(r) for r in built)))
 
     async def reset(self, rules: RuleSpec, subject: str | bytes) -> None:
-        chosen = self._resolve(rules)
+        chosen = self._resolve_reset(rules)
         data = encode_subject(subject)
         await self._check_rules()
         await self._store.run(
@@ -133,10 +133,12 @@ class AsyncLimiter(LimiterBase):
         chosen = self.rule(rule)
         data = encode_subject(subject)
         shard = self._layout.shard_of(data)
+        if chosen.escrow and self._escrow is None and self._rules_check_due():
+            await self._check_before_building()  # the regions, for this region's rights
         registry, fields = await self._store.read(
             [self._layout.registry_key(shard), self._layout.data_key(chosen.name, data)]
         )
-        return summarize(chosen, data, registry, fields, self._now() or await self.redis_time_us())
+        return self._summarize(chosen, data, registry, fields, self._now() or await self.redis_time_us())
 
     async def redis_time_us(self) -> int:
         try:

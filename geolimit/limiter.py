@@ -14,7 +14,7 @@ from geolimit.core.clock import Clock
 from geolimit.core.decision import Decision
 from geolimit.core.keys import KeyLayout, encode_subject
 from geolimit.core.rule import Rule
-from geolimit.core.usage import Usage, summarize
+from geolimit.core.usage import Usage
 from geolimit.errors import StorageError
 from geolimit.limiter_base import ESCROW_FIELD, LimiterBase, OnError, RuleSpec
 from geolimit.store.connect import open_sync_store
@@ -133,7 +133,7 @@ class Limiter(LimiterBase):
         The reset replicates as per-slot floors; hits made elsewhere that this
         region has not seen yet still count.
         """
-        chosen = self._resolve(rules)
+        chosen = self._resolve_reset(rules)
         data = encode_subject(subject)
         if self._rules_check_due():
             self._check_rules()
@@ -144,10 +144,12 @@ class Limiter(LimiterBase):
         chosen = self.rule(rule)
         data = encode_subject(subject)
         shard = self._layout.shard_of(data)
+        if chosen.escrow:
+            self._check_before_building()  # the regions, for this region's rights
         registry, fields = self._store.read(
             [self._layout.registry_key(shard), self._layout.data_key(chosen.name, data)]
         )
-        return summarize(chosen, data, registry, fields, self._now() or self.redis_time_us())
+        return self._summarize(chosen, data, registry, fields, self._now() or self.redis_time_us())
 
     def redis_time_us(self) -> int:
         """Redis ``TIME`` in microseconds."""

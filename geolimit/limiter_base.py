@@ -15,7 +15,9 @@ from geolimit.core.clock import Clock, micros_source
 from geolimit.core.decision import Decision, degraded_decision
 from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout, encode_subject
 from geolimit.core.rule import Rule
+from geolimit.core.usage import Usage, summarize, summarize_escrow
 from geolimit.errors import ConfigError, RequestError, StorageError, UnknownRuleError
+from geolimit.replication.escrow_fields import ledger_of, state_of
 from geolimit.store.protocol import (
     MAX_COST,
     EscrowPlacement,
@@ -141,6 +143,15 @@ class LimiterBase:
         """Take the regions of escrow mode directly (the agent's own limiter does)."""
         self._apply_escrow_field(",".join(sorted(regions)) + f";{wait_us}")
 
+    def _summarize(
+        self, rule: Rule, subject: bytes, registry: dict[bytes, bytes], fields: dict[bytes, bytes], now_us: int,
+    ) -> Usage:
+        """A key's usage: the global count by region, or for an escrow rule this region's view."""
+        if rule.escrow:
+            used = ledger_of(fields, rule).used(now_us)
+            return summarize_escrow(rule, subject, used, state_of(fields), now_us, self._region, self.escrow_regions)
+        return summarize(rule, subject, registry, fields, now_us)
+
     def _has_escrow(self) -> bool:
         return any(rule.escrow for rule in self._rules.values())
 
@@ -163,6 +174,18 @@ class LimiterBase:
             return self._rules[name]
         except KeyError:
             raise UnknownRuleError(name, tuple(self._rules)) from None
+
+    def _resolve_reset(self, spec: RuleSpec) -> tuple[Rule, ...]:
+        """The rules a reset applies to: escrow rules are left out (a reset would hand back
+        rights that were spent); naming only escrow rules is a :class:`RequestError`."""
+        chosen = self._resolve(spec)
+        kept = tuple(r for r in chosen if not r.escrow)
+        if not kept:
+            names = ", ".join(repr(r.name) for r in chosen)
+            which = f"rule {names} uses" if len(chosen) == 1 else f"rules {names} use"
+            raise RequestError(f"{which} escrow mode: reset does not apply (it would hand back rights that "
+                               "were spent; admissions leave with the window)")
+        return kept
 
     def _resolve(self, spec: RuleSpec) -> tuple[Rule, ...]:
         if isinstance(spec, (str, Rule)):

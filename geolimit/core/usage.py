@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from geolimit.core.escrow import EscrowState, rights
 from geolimit.core.gcounter import parse_slot_id
 from geolimit.core.rule import Rule
 from geolimit.core.window import bucket_of, count_of, parse_stored_int, read_key
 
-__all__ = ["Usage", "slot_names", "summarize"]
+__all__ = ["Usage", "slot_names", "summarize", "summarize_escrow"]
 
 
 @dataclass(frozen=True)
@@ -94,4 +95,36 @@ def summarize(
         by_region=by_region,
         by_slot=by_slot,
         bad=view.bad,
+    )
+
+
+def summarize_escrow(
+    rule: Rule,
+    subject: bytes,
+    own_used: int,
+    state: EscrowState,
+    now_us: int,
+    region: str,
+    regions: Sequence[str] | None,
+) -> Usage:
+    """Usage of an escrow rule as this region knows it: its own count in the window
+    (``own_used``, exact), each peer's count as its last advert said (adverts of
+    the current window only), and ``remaining``: what this region may still admit,
+    its rights less its own count (0 while the agent has not published the regions:
+    escrow rules are denied then). ``now_us`` is this Redis's own clock, as escrow
+    decisions use it."""
+    by_region = {region: own_used}
+    current = now_us // rule.resolution_us
+    for peer, advert in state.adverts.items():
+        if peer != region and advert.bucket > current - rule.buckets and advert.used > 0:
+            by_region[peer] = advert.used
+    held = rights(state, region, regions, rule.limit) if regions and region in regions else 0
+    return Usage(
+        rule=rule.name,
+        subject=subject,
+        limit=rule.limit,
+        window=rule.window_us / 1e6,
+        total=sum(by_region.values()),
+        remaining=max(0, held - own_used),
+        by_region=by_region,
     )

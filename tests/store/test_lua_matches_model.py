@@ -6,6 +6,7 @@ import secrets
 from collections.abc import Iterator
 
 import pytest
+import redis
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -44,6 +45,8 @@ operation = st.one_of(
 
 @pytest.fixture(scope="module")
 def limiter(redis_url: str) -> Iterator[tuple[Limiter, ManualClock]]:
+    with redis.Redis.from_url(redis_url) as client:
+        client.flushdb()  # another test's region on this shared Redis would be refused
     clock = ManualClock(1_700_000_000.0)
     with Limiter.from_url(redis_url, region="east", rules=RULES, clock=clock) as lim:
         yield lim, clock
