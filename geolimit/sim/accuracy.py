@@ -122,7 +122,10 @@ class Outcome:
         """Why this run's figures say nothing about the targets, or None."""
         need = self.scenario.min_duration
         if self.scenario.duration < need:
-            return f"{self.scenario.duration:g} s is shorter than the {need:g} s {self.scenario.name} needs"
+            s = self.scenario
+            why = ("its partition and two windows after it heals" if s.partition is not None
+                   else "three windows" if s.pattern in ("poisson", "bursts") else "its traffic and one window after it")
+            return f"{s.duration:g} s is shorter than the {need:g} s {s.name} needs ({why})"
         late = self.extra.get("late_p99_ms")  # real-time runs (bench/agents.py): how late requests left
         if late is not None and late > self.scenario.interval * 1000:
             return (f"{self.scenario.name}: the load generator fell behind its schedule (sends late by p99 "

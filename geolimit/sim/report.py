@@ -67,7 +67,11 @@ def targets(outcomes: Sequence[Outcome]) -> list[tuple[str, str, str, str]]:
             second = o.scenario.names[1]
             offered = round(o.scenario.load * o.scenario.limit) - round(o.scenario.load * o.scenario.limit) * 6 // 10
             got = o.accuracy.admitted_by_region.get(second, 0)
-            row(o, f"{variant}: handoff, {second} admits", f"{got} of {offered}", ">= 95%", got >= 0.95 * offered)
+            if variant == "escrow":  # issue 10's target is the default mode's; escrow's figure is its cost
+                rows.append((f"escrow: handoff, {second} admits", f"{got} of {offered}", "(cost, not a target)",
+                             INSUFFICIENT if o.insufficient else "info"))
+            else:
+                row(o, f"{variant}: handoff, {second} admits", f"{got} of {offered}", ">= 95%", got >= 0.95 * offered)
     for o in outcomes:
         if o.variant != "escrow":
             continue
@@ -107,8 +111,7 @@ def format_table(outcomes: Sequence[Outcome]) -> str:
     if short:
         lines.append("")
         for reason in short.values():
-            lines.append(f"INSUFFICIENT: {reason} (its partition and several windows); "
-                         "its figures say nothing about the targets. Run without --duration.")
+            lines.append(f"INSUFFICIENT: {reason}; its figures say nothing about the targets. Run without --duration.")
     lines.append("")
     lines.append(f"{'target':48} {'measured':>12}  {'goal':32} verdict")
     for target, measured, goal, verdict in targets(outcomes):

@@ -80,9 +80,20 @@ def test_a_run_shorter_than_its_scenario_needs_is_insufficient_never_pass() -> N
     assert set(verdicts.values()) == {"INSUFFICIENT"}
     table = format_table(short)
     assert "PASS" not in table
-    assert "INSUFFICIENT: 12 s is shorter than the 30 s standard needs" in table
+    assert "INSUFFICIENT: 12 s is shorter than the 30 s standard needs (three windows)" in table
+    assert "INSUFFICIENT: 40 s is shorter than the 60 s partition-share needs (its partition and two" in table
     full = [Outcome(SCENARIOS["standard"], "geolimit", perfect())]
     assert {v for _, _, _, v in targets(full)} == {"PASS"}
+
+
+def test_escrow_handoff_is_shown_as_its_cost_not_judged() -> None:
+    """Issue 10's handoff target (>= 95%) is the default mode's; escrow mode pays for rights in transit."""
+    handoff = SCENARIOS["handoff"]
+    rows = {t: (g, v) for t, _, g, v in targets([Outcome(handoff, "escrow", perfect()),
+                                                 Outcome(handoff, "geolimit", perfect())])}
+    second = handoff.names[1]
+    assert rows[f"escrow: handoff, {second} admits"] == ("(cost, not a target)", "info")
+    assert rows[f"geolimit: handoff, {second} admits"][0] == ">= 95%"
 
 
 def test_bench_accuracy_shows_progress_and_refuses_to_pass_a_short_run(redis_url: str, tmp_path: Path) -> None:
