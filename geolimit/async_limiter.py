@@ -122,7 +122,7 @@ class AsyncLimiter(LimiterBase):
         return list(await asyncio.gather(*(self._submit(r) for r in built)))
 
     async def reset(self, rules: RuleSpec, subject: str | bytes) -> None:
-        chosen = self._resolve_reset(rules)
+        chosen = self.reset_rules(rules)
         data = encode_subject(subject)
         await self._check_rules()
         await self._store.run(

@@ -133,7 +133,7 @@ class Limiter(LimiterBase):
         The reset replicates as per-slot floors; hits made elsewhere that this
         region has not seen yet still count.
         """
-        chosen = self._resolve_reset(rules)
+        chosen = self.reset_rules(rules)
         data = encode_subject(subject)
         if self._rules_check_due():
             self._check_rules()

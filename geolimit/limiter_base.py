@@ -175,7 +175,7 @@ class LimiterBase:
         except KeyError:
             raise UnknownRuleError(name, tuple(self._rules)) from None
 
-    def _resolve_reset(self, spec: RuleSpec) -> tuple[Rule, ...]:
+    def reset_rules(self, spec: RuleSpec) -> tuple[Rule, ...]:
         """The rules a reset applies to: escrow rules are left out (a reset would hand back
         rights that were spent); naming only escrow rules is a :class:`RequestError`."""
         chosen = self._resolve(spec)

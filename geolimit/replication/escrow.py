@@ -95,7 +95,8 @@ class EscrowReplicator:
         self.set_rules(rules)
         self._tasks: set[asyncio.Task[None]] = set()
         self.held: int | None = None  # shards whose escrow rules are denied until restored (None: not looked yet)
-        self.holding: dict[int, int] = {}  # held shard -> hold start (µs), sent with every pull
+        self.holding: dict[int, int] = {}  # held shard -> hold start (µs)
+        self.starts: dict[int, int] = {}  # every shard's hold start, sent with every pull (the peers' record)
         self.stats: dict[str, int] = dict.fromkeys(
             ("rounds", "keys", "given", "pushed", "merged", "refused", "pulled", "released", "dropped"), 0)
 
@@ -135,6 +136,7 @@ class EscrowReplicator:
     async def _release(self, now: int) -> None:
         held = await self.store.holds(self.owned, now)
         self.holding = dict(held.since)
+        self.starts = dict(held.starts)
         longest = max(r.window_us for r in self.rules.values())
         settle = int(self.timeout * 1_000_000)  # pushes in flight at the loss have landed by then
         self.held = len(held.since)
@@ -229,7 +231,7 @@ class EscrowReplicator:
             cursor: tuple[int, int, int] | None = (0, 0, 0)
             traced: set[int] = set()
             known: set[int] = set()
-            holds = dict(self.holding)
+            holding, holds = dict(self.holding), dict(self.starts)
             while cursor is not None:
                 reply = await self._send(peer, self._message("pull", peer.name, cursor=cursor, holds=holds))
                 if reply is None:
@@ -237,7 +239,7 @@ class EscrowReplicator:
                 self.stats["pulled"] += len(reply.keys)
                 await self.merge(reply, None)  # vets the page first
                 traced.update(self._traces(reply))
-                known.update(s for s in reply.known if s in holds)
+                known.update(s for s in reply.known if s in holding and holds.get(s) == holding[s])
                 holds = {}  # recorded by the first page
                 cursor = None if reply.done else reply.cursor
             peer.traced = frozenset(traced)

@@ -69,6 +69,9 @@ class Held:
     """Shards whose escrow state is held (registry field ``xs``, no ``xo``)."""
 
     since: dict[int, int] = field(default_factory=dict)  # shard -> xs (µs)
+    #: Every shard's last hold start (``xs``), held or released: what identifies this Redis's
+    #: escrow state there, sent with every pull so that a peer that lost its record learns it again.
+    starts: dict[int, int] = field(default_factory=dict)
 
 
 class EscrowStore:
@@ -118,14 +121,18 @@ class EscrowStore:
         except Exception as exc:
             raise StorageError(f"Redis unreachable: {describe_error(exc)}") from exc
         for shard, (intact, since) in zip(shards, got, strict=True):
-            if intact is None and since is not None:
-                held.since[shard] = int(since)
+            start = None if since is None else int(since)
+            if start is not None and 0 <= start < 2**63:
+                held.starts[shard] = start
+                if intact is None:
+                    held.since[shard] = start
         return held
 
     async def recall(self, peer: str, holds: Mapping[int, int]) -> list[int]:
-        """Record ``peer``'s held shards (the first hold per shard is kept) and return the
-        shards where an earlier hold of that peer was recorded: its Redis held escrow state
-        there before (it was restored once, then lost again)."""
+        """Record ``peer``'s hold starts (the first per shard is kept; a peer sends every
+        shard's, held or not, so a record this Redis lost is learnt again) and return the
+        shards where another one was recorded: there the peer's Redis held escrow state
+        before and lost it (it matters for the shards the peer holds now)."""
         if not holds:
             return []
         field_name = f"xk:{peer}"

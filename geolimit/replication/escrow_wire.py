@@ -7,16 +7,19 @@ They travel on their own endpoint, ``POST /v1/escrow``, signed like gossip
      "rules": [[NAME, WINDOW_US, RESOLUTION_US], ...],   # the sender's escrow rules
      "keys": [[SUFFIX, [FIELD, VALUE, ...]], ...],       # SUFFIX: b"rule:subject"
      "cursor": [RULE_INDEX, NODE_INDEX, SCAN_CURSOR],    # pull: where to go on
-     "holds": [[SHARD, SINCE_US], ...],                  # pull: the sender's held shards
-     "known": [SHARD, ...],                              # page: held shards the responder knew
+     "holds": [[SHARD, SINCE_US], ...],                  # pull: the sender's hold starts
+     "known": [SHARD, ...],                              # page: shards with another recorded start
      "done": true}                                       # page: the scan is complete
 
-``holds`` names the shards whose escrow state the sender holds back (a new or
-wiped Redis) with the hold's start on the sender's clock, which identifies the
-hold. The responder records the first hold it sees per sender and shard, and
-answers in ``known`` the shards where it recorded another one: the sender's
-Redis held escrow state there before, so its admissions of the last window may
-still count and the hold lasts a window.
+``holds`` gives, for each shard of the sender, the start of its last escrow
+hold (a new or wiped Redis holds escrow rules back until restored) on the
+sender's clock, which identifies that Redis's escrow state there. The responder
+records the first start it sees per sender and shard, and answers in ``known``
+the shards where it recorded another one. For a shard the sender holds now,
+that means its Redis held escrow state there before and lost it: its
+admissions of the last window may still count, and the hold lasts a window.
+Sending every shard's start, not only the held ones, lets a responder that lost
+its own records learn them again.
 
 KIND is ``push`` (changed keys; answered by ``ack``) or ``pull`` (answered by a
 ``page`` of the responder's keys from ``cursor`` on). Field names and values are
@@ -56,8 +59,8 @@ class EscrowMessage:
     keys: list[tuple[bytes, list[Any]]] = field(default_factory=list)  # (rule:subject, [name, value, ...])
     cursor: Cursor | None = None
     done: bool = False
-    holds: dict[int, int] = field(default_factory=dict)  # pull: held shard -> hold start (µs, sender's clock)
-    known: list[int] = field(default_factory=list)  # page: held shards the responder saw an earlier hold of
+    holds: dict[int, int] = field(default_factory=dict)  # pull: shard -> last hold start (µs, sender's clock)
+    known: list[int] = field(default_factory=list)  # page: shards whose recorded start differs
 
 
 def encode(message: EscrowMessage) -> bytes:

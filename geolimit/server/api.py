@@ -270,6 +270,8 @@ class _ApiHandlers:
         checks, _ = _checks(await _body(request))
         limiter = self.agent.require_limiter()
         _known_rules(limiter, checks)
+        for c in checks:  # a batch with a refused item resets nothing
+            limiter.reset_rules(c.rules)
         for c in checks:
             await limiter.reset(c.rules, c.subject)
         return web.json_response({"reset": len(checks)})

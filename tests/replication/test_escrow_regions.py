@@ -159,3 +159,30 @@ async def test_a_region_that_spent_while_its_agent_was_down_then_lost_its_redis_
         rs.clock.advance(LOGIN.window)
         await rs.step(3)
         assert sum(apps[n].hit("login", "y").allowed for n in NAMES for _ in range(40)) == 100
+
+
+async def test_peers_that_lost_their_redis_learn_a_regions_hold_start_again(
+    redis_server_factory: Factory,
+) -> None:
+    """b's and c's records of a's hold start go with their own wipes; a's next pulls give
+    them back, so a's later loss (its agent down, nothing advertised) still waits a window."""
+    async with Regions(redis_server_factory, NAMES, [LOGIN], run_loops=False) as rs:
+        await ready(rs)
+        for peer in ("b", "c"):
+            rs[peer].client().flushall()
+            await rs.restart_agent(peer)
+            await rs.step(2)
+            rs.clock.advance(LOGIN.window)  # its own hold: a window, since a and the other knew it
+            await rs.step(3)
+            assert rs[peer].agent.escrow.held == 0  # type: ignore[union-attr]
+        layout = rs["b"].agent.escrow.layout  # type: ignore[union-attr]
+        assert all(rs[p].client().hget(layout.registry_key(s), "xk:a") is not None
+                   for p in ("b", "c") for s in range(layout.shards))
+        apps = {n: rs[n].app() for n in NAMES}
+        assert sum(apps[n].hit("login", "z").allowed for n in NAMES for _ in range(40)) == 100
+        rs["a"].client().flushall()
+        await rs.restart_agent("a")
+        await rs.step(2)
+        rs.clock.advance(rs["a"].agent.config.timeout)
+        await rs.step(3)
+        assert sum(apps[n].hit("login", "z").allowed for n in NAMES for _ in range(40)) == 0

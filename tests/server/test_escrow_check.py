@@ -41,7 +41,7 @@ async def test_usage_shows_this_regions_count_and_rights_and_reset_is_refused(
     """/v1/usage of an escrow rule: this region's own count, the peers' as advertised, and
     what this region may still admit; /v1/reset of it is a 400 naming escrow mode."""
     login = Rule("login", 30, 20, escrow=True)
-    async with Regions(redis_server_factory, ["a", "b", "c"], [login], interval=0.05) as rs, \
+    async with Regions(redis_server_factory, ["a", "b", "c"], [login, Rule("plain", 30, 20)], interval=0.05) as rs, \
             aiohttp.ClientSession() as session:
         agents = [rs[n].agent for n in ("a", "b", "c")]
         await eventually(lambda: all(a.escrow is not None and a.escrow.held == 0 for a in agents), timeout=60,
@@ -69,3 +69,12 @@ async def test_usage_shows_this_regions_count_and_rights_and_reset_is_refused(
             assert resp.status == 400
             assert "escrow" in (await resp.json())["error"]
         assert (await usage(a))["regions"] == {"a": 4}  # nothing was reset
+        # A batch with such an item resets nothing, not even the items before it.
+        await check(session, a, {"rule": "plain", "subject": "v"})
+        batch = [{"rule": "plain", "subject": "v"}, {"rule": "login", "subject": "u"}]
+        async with session.post(f"{a.url}/v1/reset", json=batch) as resp:
+            assert resp.status == 400
+        limiter = a.require_limiter()
+        assert (await limiter.usage("plain", "v")).total == 1
+        assert await limiter.reset(["plain", "login"], "v") is None  # mixed: the plain rule only
+        assert (await limiter.usage("plain", "v")).total == 0
