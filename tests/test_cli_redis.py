@@ -10,6 +10,8 @@ import time
 
 import redis
 
+from tests.support.signals import default_sigint
+
 
 def _read_url(proc: subprocess.Popen[str], deadline: float) -> str:
     """The first stdout line (the server's URL), waiting at most until ``deadline``."""
@@ -61,6 +63,7 @@ def test_geolimit_redis_prints_a_url_that_answers_and_stops_cleanly_on_sigterm()
 def test_geolimit_redis_stops_cleanly_on_ctrl_c() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "geolimit", "redis"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=default_sigint,
     )
     try:
         url = _read_url(proc, time.monotonic() + 30)

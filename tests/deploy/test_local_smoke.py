@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.signals import default_sigint
+
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "deploy" / "local" / "run.sh"
 OFFSET = 10000
@@ -47,7 +49,7 @@ def start(state: Path, *args: str, env: dict[str, str] | None = None) -> subproc
     return subprocess.Popen(
         ["bash", str(RUN), *args, "--offset", str(OFFSET), "--state", str(state)],
         cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=default_sigint,
     )
 
 
