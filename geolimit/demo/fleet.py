@@ -182,7 +182,7 @@ class Fleet:
         self.apps.clear()
         for name, agent in self.agents.items():
             try:
-                await asyncio.wait_for(agent.stop(flush_timeout), flush_timeout + 5.0)
+                await asyncio.wait_for(agent.stop(flush_timeout), flush_timeout + 15.0)  # STOP_GRACE and a busy machine
             except Exception as exc:
                 self.problems.append(f"stopping the agent of {name}: {exc!r}")
                 with contextlib.suppress(Exception):

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Agent"]
 
+#: Seconds a stopping agent waits for the HTTP requests in progress.
+STOP_GRACE = 3.0
 log = logging.getLogger("geolimit.agent")
 
 
@@ -142,7 +144,9 @@ class Agent:
             apps.append((api_app, cfg.api_listen, None))
         try:
             for app, (host, port), ssl_ctx in apps:
-                runner = web.AppRunner(app, access_log=None, handle_signals=False)
+                # A stop waits this long for requests in progress (aiohttp's default: 60 s); a peer
+                # whose message is cut off keeps it queued and sends it again.
+                runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=STOP_GRACE)
                 await runner.setup()
                 self._runners.append(runner)
                 self._addresses.append(await listen(runner, host, port, ssl_context=ssl_ctx,
