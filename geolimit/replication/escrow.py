@@ -33,7 +33,7 @@ from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout
 from geolimit.core.rule import Rule
 from geolimit.errors import GeolimitError, ProtocolError
 from geolimit.replication.escrow_fields import own_figures, state_of, vet_fields
-from geolimit.replication.escrow_io import EscrowStore
+from geolimit.replication.escrow_io import EscrowStore, Held
 from geolimit.replication.escrow_wire import MAX_KEYS, EscrowMessage
 
 __all__ = ["EscrowPeer", "EscrowReplicator", "EscrowTransport"]
@@ -95,8 +95,7 @@ class EscrowReplicator:
         self.set_rules(rules)
         self._tasks: set[asyncio.Task[None]] = set()
         self.held: int | None = None  # shards whose escrow rules are denied until restored (None: not looked yet)
-        self.holding: dict[int, int] = {}  # held shard -> hold start (µs)
-        self.starts: dict[int, int] = {}  # every shard's hold start, sent with every pull (the peers' record)
+        self.holds = Held()  # the last round's: held shards, and every shard's hold start (sent with pulls)
         self.stats: dict[str, int] = dict.fromkeys(
             ("rounds", "keys", "given", "pushed", "merged", "refused", "pulled", "released", "dropped"), 0)
 
@@ -134,9 +133,7 @@ class EscrowReplicator:
         self._start(self.clock())
 
     async def _release(self, now: int) -> None:
-        held = await self.store.holds(self.owned, now)
-        self.holding = dict(held.since)
-        self.starts = dict(held.starts)
+        held = self.holds = await self.store.holds(self.owned, now)
         longest = max(r.window_us for r in self.rules.values())
         settle = int(self.timeout * 1_000_000)  # pushes in flight at the loss have landed by then
         self.held = len(held.since)
@@ -231,7 +228,7 @@ class EscrowReplicator:
             cursor: tuple[int, int, int] | None = (0, 0, 0)
             traced: set[int] = set()
             known: set[int] = set()
-            holding, holds = dict(self.holding), dict(self.starts)
+            held, holds = self.holds, self.holds.starts
             while cursor is not None:
                 reply = await self._send(peer, self._message("pull", peer.name, cursor=cursor, holds=holds))
                 if reply is None:
@@ -239,7 +236,7 @@ class EscrowReplicator:
                 self.stats["pulled"] += len(reply.keys)
                 await self.merge(reply, None)  # vets the page first
                 traced.update(self._traces(reply))
-                known.update(s for s in reply.known if s in holding and holds.get(s) == holding[s])
+                known.update(s for s in reply.known if s in held.since)
                 holds = {}  # recorded by the first page
                 cursor = None if reply.done else reply.cursor
             peer.traced = frozenset(traced)

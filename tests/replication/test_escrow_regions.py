@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from geolimit import Rule
+from geolimit import Limiter, Rule
 from geolimit.store.embedded import EmbeddedRedis
 from tests.support.regions import Regions
 
@@ -137,6 +137,21 @@ async def test_a_region_that_lost_its_redis_denies_until_restored_and_never_resp
         assert again == 100, "b's admissions left the window; the rights a gave b stay b's"
 
 
+async def lose_redis(rs: Regions, name: str, wait: float) -> None:
+    """``name``'s Redis loses everything and a new agent process starts on it (nothing in
+    memory either); rounds run, with ``wait`` seconds between the first two and the rest."""
+    rs[name].client().flushall()
+    await rs.restart_agent(name)
+    await rs.step(2)
+    rs.clock.advance(wait)
+    await rs.step(3)
+
+
+def spend_every_share(apps: dict[str, Limiter], subject: str) -> int:
+    """No round runs: every region spends its share of ``subject`` (its agent hears of nothing)."""
+    return sum(apps[n].hit("login", subject).allowed for n in NAMES for _ in range(40))
+
+
 async def test_a_region_that_spent_while_its_agent_was_down_then_lost_its_redis_waits_a_window(
     redis_server_factory: Factory,
 ) -> None:
@@ -144,21 +159,16 @@ async def test_a_region_that_spent_while_its_agent_was_down_then_lost_its_redis_
     async with Regions(redis_server_factory, NAMES, [LOGIN], run_loops=False) as rs:
         await ready(rs)
         apps = {n: rs[n].app() for n in NAMES}
-        # No round runs: a's agent is down while every region spends its share of a new key.
-        assert sum(apps[n].hit("login", "z").allowed for n in NAMES for _ in range(40)) == 100
-        rs["a"].client().flushall()
-        await rs.restart_agent("a")  # a new agent process: nothing in memory either
-        await rs.step(2)
-        rs.clock.advance(rs["a"].agent.config.timeout)
-        await rs.step(3)
+        assert spend_every_share(apps, "z") == 100  # a's agent is down meanwhile
+        await lose_redis(rs, "a", rs["a"].agent.config.timeout)
         lost = apps["a"].hit("login", "z")
         assert not lost.allowed, "a's lost admissions of this window would be admitted twice"
         assert lost.error is not None
         assert "restored" in lost.error
-        assert sum(apps[n].hit("login", "z").allowed for n in NAMES for _ in range(40)) == 0
+        assert spend_every_share(apps, "z") == 0
         rs.clock.advance(LOGIN.window)
         await rs.step(3)
-        assert sum(apps[n].hit("login", "y").allowed for n in NAMES for _ in range(40)) == 100
+        assert spend_every_share(apps, "y") == 100
 
 
 async def test_peers_that_lost_their_redis_learn_a_regions_hold_start_again(
@@ -169,20 +179,12 @@ async def test_peers_that_lost_their_redis_learn_a_regions_hold_start_again(
     async with Regions(redis_server_factory, NAMES, [LOGIN], run_loops=False) as rs:
         await ready(rs)
         for peer in ("b", "c"):
-            rs[peer].client().flushall()
-            await rs.restart_agent(peer)
-            await rs.step(2)
-            rs.clock.advance(LOGIN.window)  # its own hold: a window, since a and the other knew it
-            await rs.step(3)
+            await lose_redis(rs, peer, LOGIN.window)  # its own hold: a window, since a and the other knew it
             assert rs[peer].agent.escrow.held == 0  # type: ignore[union-attr]
         layout = rs["b"].agent.escrow.layout  # type: ignore[union-attr]
         assert all(rs[p].client().hget(layout.registry_key(s), "xk:a") is not None
                    for p in ("b", "c") for s in range(layout.shards))
         apps = {n: rs[n].app() for n in NAMES}
-        assert sum(apps[n].hit("login", "z").allowed for n in NAMES for _ in range(40)) == 100
-        rs["a"].client().flushall()
-        await rs.restart_agent("a")
-        await rs.step(2)
-        rs.clock.advance(rs["a"].agent.config.timeout)
-        await rs.step(3)
-        assert sum(apps[n].hit("login", "z").allowed for n in NAMES for _ in range(40)) == 0
+        assert spend_every_share(apps, "z") == 100
+        await lose_redis(rs, "a", rs["a"].agent.config.timeout)
+        assert spend_every_share(apps, "z") == 0
