@@ -146,17 +146,17 @@ local function reservation(info, slots, rises, own_region, limit, now, predict, 
     for s, t in pairs(rises) do
       local r = owner[s]
       local untl = r and known[r]
-      if untl and r ~= own_region and t[1] >= untl then
-        rates[r] = (rates[r] or 0) + t[2] / t[3]
-        if not newest[r] or t[1] > newest[r] then newest[r] = t[1] end
-      end
-      if split and untl and r ~= own_region and t[1] >= now - after then
-        local l = lasts[r] or {0, nil, nil}
+      local rating = untl and r ~= own_region and t[1] >= untl
+      local recent = split and untl and r ~= own_region and t[1] >= now - after
+      if rating then rates[r] = (rates[r] or 0) + t[2] / t[3] end
+      if recent then
+        local l = lasts[r] or {0, nil}
         l[1] = l[1] + t[2] / t[3]
         if l[2] == nil or t[1] < l[2] then l[2] = t[1] end  -- the oldest: it leaves first
-        if l[3] == nil or t[1] > l[3] then l[3] = t[1] end  -- the newest: the reserve lasts until it leaves
         lasts[r] = l
       end
+      -- the newest rise still in play (rated or recent): the prediction may last until it leaves
+      if (rating or recent) and (not newest[r] or t[1] > newest[r]) then newest[r] = t[1] end
     end
   end
   local units, closed, predicted, ends, falls = 0, false, 0, 0, nil
@@ -196,8 +196,7 @@ local function reservation(info, slots, rises, own_region, limit, now, predict, 
         if untl + after + 1 > ends then ends = untl + after + 1 end
         -- News may come before that: it ends the rate of rises merged before it only, and
         -- approximate mode counts a rise for `after` after its merge (see reserve() in policy.py).
-        local l, t = lasts[r], newest[r]
-        if l and (not t or l[3] > t) then t = l[3] end
+        local t = newest[r]
         if t and t + after + 1 > ends then ends = t + after + 1 end
         -- ... so a reserve above 0 may first shrink then (it only grows before).
         if rate > 0 and (not falls or untl + after + 1 < falls) then falls = untl + after + 1 end
