@@ -190,7 +190,8 @@ async def test_hostile_replies_fail_the_run_and_write_nothing(regions: tuple[Reg
 
 async def test_exchanges_are_bounded_and_expire(regions: tuple[Region, Region]) -> None:
     a, b = regions
-    sides = pair(a, b, exchange_ttl=0.2)
+    idle_clock = [1000.0]
+    sides = pair(a, b, exchange_ttl=0.2, monotonic=lambda: idle_clock[0])
     server = sides["b"]
 
     def begin(x: bytes) -> dict[str, Any]:
@@ -201,7 +202,12 @@ async def test_exchanges_are_bounded_and_expire(regions: tuple[Region, Region]) 
     with pytest.raises(ProtocolError, match="unknown or expired"):  # the oldest was dropped
         await server.handle("a", {"op": "end", "x": b"1" * 16})
     assert (await server.handle("a", {"op": "end", "x": b"3" * 16}))["ok"]
-    await asyncio.sleep(0.3)
+    pending = server._exchanges[b"2" * 16].digest_task
+    assert pending is not None
+    await asyncio.wait_for(asyncio.shield(pending), timeout=30)  # a pass under way is never idle
+    idle_clock[0] += 0.1
+    assert server._exchanges, "an exchange idle for less than exchange_ttl is kept"
+    idle_clock[0] += 0.15
     with pytest.raises(ProtocolError, match="unknown or expired"):
         await server.handle("a", {"op": "end", "x": b"2" * 16})
     assert server._exchanges == {}

@@ -72,7 +72,8 @@ class AntiEntropy(_Responder):
     state of an exchange served lives without a request; ``max_seconds`` how
     long :meth:`run` may take in all; ``shards_first_keys`` the keyspace size
     from which a first digest pass sums shards only (None: never), leaving the
-    leaves of differing shards to a second pass.
+    leaves of differing shards to a second pass; ``monotonic`` the clock that
+    times an exchange's idleness (tests drive it).
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class AntiEntropy(_Responder):
         duty: float = 1.0,
         page_ms: float = 1.0,
         shards_first_keys: int | None = SHARDS_FIRST_KEYS,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 1 <= page_keys <= 4096:
             raise ValueError("page_keys must be from 1 to 4096")
@@ -106,6 +108,7 @@ class AntiEntropy(_Responder):
         self.send = send
         self.merge = merge
         self.clock = clock
+        self.monotonic = monotonic
         self.max_keys = max_keys
         self.total_leaves = total_leaves
         self.leaves = leaves_per_shard(layout.shards, total_leaves)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +53,7 @@ class _Responder:
     rules: dict[str, Rule]
     merge: Merge
     clock: Callable[[], float]
+    monotonic: Callable[[], float]
     max_keys: int
     exchange_ttl: float
     stats: dict[str, float]
@@ -100,7 +100,7 @@ class _Responder:
         ex = self._exchanges.get(xid)
         if ex is None or ex.peer != peer:
             raise ProtocolError("anti-entropy: unknown or expired exchange")
-        ex.touched = time.monotonic()
+        ex.touched = self.monotonic()
         if op == "tree":
             return self._on_tree(ex, payload)
         if op == "list":
@@ -119,7 +119,7 @@ class _Responder:
 
     def _expire(self) -> None:
         """Drop exchanges idle for ``exchange_ttl`` (a pass under way is not idle)."""
-        limit = time.monotonic() - self.exchange_ttl
+        limit = self.monotonic() - self.exchange_ttl
         for xid, ex in list(self._exchanges.items()):
             running = any(t is not None and not t.done() for t in (ex.digest_task, ex.leaf_task, ex.list_task))
             if ex.touched < limit and not running:
@@ -132,7 +132,7 @@ class _Responder:
         if existing is not None:
             if existing.peer != peer:
                 raise ProtocolError("anti-entropy: exchange id already in use")
-            existing.touched = time.monotonic()
+            existing.touched = self.monotonic()
             return existing.reply  # a retried begin
         local_now = int(self.clock() * 1_000_000)
         now = _int(payload, "now", max(0, local_now - MAX_SKEW_US), local_now + MAX_SKEW_US)
@@ -161,7 +161,7 @@ class _Responder:
         settle = _int(payload, "settle", 0, MAX_SETTLE_US) if "settle" in payload else 0
         plan = _Plan(now, accepted, leaves, shards, settle)
         reply = {"x": xid, "rules": list(accepted)}
-        ex = _Exchange(xid, peer, plan, time.monotonic(), reply)
+        ex = _Exchange(xid, peer, plan, self.monotonic(), reply)
         ex.digest_task = asyncio.ensure_future(self._serve_digests(ex))
         ex.digest_task.add_done_callback(_consume)
         self._exchanges[xid] = ex
@@ -172,14 +172,14 @@ class _Responder:
             async with self._scans:
                 return await self._local.first_digests(ex.plan, ex.progress)
         finally:
-            ex.touched = time.monotonic()  # the idle time starts when the pass ends
+            ex.touched = self.monotonic()  # the idle time starts when the pass ends
 
     async def _serve_leaves(self, ex: _Exchange, mine: _Digests, scope: bytes | None) -> None:
         try:
             async with self._scans:
                 await self._local.leaf_digests(ex.plan, mine, scope, ex.progress)
         finally:
-            ex.touched = time.monotonic()
+            ex.touched = self.monotonic()
 
     @staticmethod
     def _finished(task: asyncio.Task[Any] | None) -> bool:
@@ -246,7 +246,7 @@ class _Responder:
             async with self._scans:
                 await self._local.listing(ex.plan, bitmap, listing, ex.progress)
         finally:
-            ex.touched = time.monotonic()
+            ex.touched = self.monotonic()
 
     def _on_entries(self, ex: _Exchange, payload: dict[str, Any]) -> dict[str, Any]:
         if ex.listing is None:
