@@ -17,7 +17,7 @@ from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout, encode_subject
 from geolimit.core.rule import Rule
 from geolimit.core.usage import Usage, summarize, summarize_escrow
 from geolimit.errors import ConfigError, RequestError, StorageError, UnknownRuleError
-from geolimit.replication.escrow_fields import ledger_of, state_of
+from geolimit.store.escrow_fields import ledger_of, state_of
 from geolimit.store.protocol import (
     MAX_COST,
     EscrowPlacement,

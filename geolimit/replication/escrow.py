@@ -14,7 +14,7 @@ Every round the agent (:meth:`EscrowReplicator.round`):
 5. pulls every peer's whole escrow state at start, after a peer comes back, and
    every ``pull_interval`` (``pull``: pages of keys from a SCAN cursor).
 
-Peers' fields are vetted (:func:`~geolimit.replication.escrow_fields.vet_fields`)
+Peers' fields are vetted (:func:`~geolimit.store.escrow_fields.vet_fields`)
 before anything is written; a bad message is refused whole.
 """
 
@@ -32,9 +32,9 @@ from geolimit.core.escrow import plan_round, share
 from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout
 from geolimit.core.rule import Rule
 from geolimit.errors import GeolimitError, ProtocolError
-from geolimit.replication.escrow_fields import own_figures, state_of, vet_fields
 from geolimit.replication.escrow_io import EscrowStore, Held
 from geolimit.replication.escrow_wire import MAX_KEYS, EscrowMessage
+from geolimit.store.escrow_fields import own_figures, state_of, vet_fields
 
 __all__ = ["EscrowPeer", "EscrowReplicator", "EscrowTransport"]
 

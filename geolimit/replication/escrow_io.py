@@ -22,8 +22,8 @@ from geolimit.core.keys import KeyLayout, glob_escape
 from geolimit.core.rule import Rule
 from geolimit.errors import ProtocolError, StorageError
 from geolimit.limiter_base import ESCROW_FIELD
-from geolimit.replication.escrow_fields import replicated
 from geolimit.store.async_store import AsyncStore
+from geolimit.store.escrow_fields import replicated
 from geolimit.store.redis_store import describe_error
 from geolimit.store.scripts import load_script
 

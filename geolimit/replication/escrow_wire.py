@@ -23,7 +23,7 @@ its own records learn them again.
 
 KIND is ``push`` (changed keys; answered by ``ack``) or ``pull`` (answered by a
 ``page`` of the responder's keys from ``cursor`` on). Field names and values are
-checked by :func:`geolimit.replication.escrow_fields.vet_fields` before anything
+checked by :func:`geolimit.store.escrow_fields.vet_fields` before anything
 is written.
 """
 

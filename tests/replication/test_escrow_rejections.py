@@ -16,9 +16,9 @@ from geolimit import ManualClock, Rule
 from geolimit.core.escrow import rights
 from geolimit.replication import escrow_wire
 from geolimit.replication.auth import Signer
-from geolimit.replication.escrow_fields import MAX_FIELDS_PER_KEY, MAX_VALUE, state_of
 from geolimit.replication.escrow_wire import EscrowMessage
 from geolimit.store.embedded import EmbeddedRedis
+from geolimit.store.escrow_fields import MAX_FIELDS_PER_KEY, MAX_VALUE, state_of
 from tests.support.regions import Regions, dump_all
 
 Factory = Callable[..., EmbeddedRedis]
