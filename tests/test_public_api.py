@@ -146,3 +146,12 @@ def test_the_runtime_never_imports_test_and_demo_support() -> None:
             f"print(sorted(m for m in sys.modules if m.split('.')[0] == 'ctypes' or m.startswith({tuple(SUPPORT)!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_library_never_imports_the_replication_layer() -> None:
+    """``import geolimit`` (the limiters, rules, errors) is the layer below the agent:
+    an app that only rate-limits loads none of the gossip, escrow or anti-entropy code."""
+    code = ("import sys, geolimit, geolimit.middleware\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('geolimit.replication', 'geolimit.server'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout
