@@ -55,6 +55,8 @@ class Sender(Receiver):
                 for shard, keys in got.shards.items():
                     total.shards[shard] = total.shards.get(shard, 0) + keys
                 total.keys += got.keys
+                # Counted in flight as they leave the outbox: peer.queued never dips mid-pack.
+                peer.flight_keys[slot] = total.keys
                 total.cells += got.cells
                 total.unknown += got.unknown
                 total.bad += got.bad
