@@ -262,6 +262,7 @@ class ReplicationStore:
             return [[b"1", self._registry(shard), *head, blob, *tail] for shard, blob in bodies]
 
         checks: list[Blob] = []
+        slot_ids: dict[int, dict[bytes, None]] = {}  # shard -> the slot ids of its blobs, in order
         vetted_bytes = 0
         for shard, blob in blobs:
             # Vetting is Python work (about 27 ms per MB): a big message yields the loop
@@ -276,11 +277,20 @@ class ReplicationStore:
                 vetted = vet_blob(blob, self._allowed, lim.blob_cells, lim.max_slots, shard, self.layout.shards)
             except ProtocolError as exc:
                 raise ProtocolError(f"refused cells for shard {shard}: {exc}") from None
-            # What needs Redis state is checked there before anything is written: the
-            # registry (merge.lua needs only the slot list for that) and, for a blob
-            # with this region's slots, claims on its own current slot (every cell).
-            own = self._region_b in vetted.regions
-            checks.append((shard, blob if own else pack_blob(vetted.slots, (), (), ())))
+            # What needs Redis state is checked there before anything is written: for a
+            # blob with this region's slots, claims on its own current slot (every cell);
+            # and, per shard, the registry with the slot ids of all the message's blobs
+            # at once (merge.lua needs only the slot list for that), so that blobs that
+            # each fit cannot fill the registry or pass the new-id cap together.
+            if self._region_b in vetted.regions:
+                checks.append((shard, blob))
+            union = slot_ids.setdefault(shard, {})
+            for slot_id in vetted.slots:
+                union.setdefault(slot_id, None)
+        for shard, ids in slot_ids.items():
+            if len(ids) > lim.max_slots:
+                raise ProtocolError(f"refused cells for shard {shard}: too many slot ids in one message")
+            checks.append((shard, pack_blob(list(ids), (), (), ())))
         for (shard, _), reply in zip(checks, checked_replies(await self.store.run_many(_MERGE, calls(b"0", checks))),
                                      strict=True):
             if int(reply[0]) != 1:
@@ -291,8 +301,12 @@ class ReplicationStore:
         # b"2": the blobs the b"0" calls accepted, so merge.lua skips the per-cell type checks.
         for (shard, _), reply in zip(blobs, checked_replies(await self.store.run_many(_MERGE, calls(b"2", blobs))),
                                      strict=True):
-            if int(reply[0]) != 1:  # only a change since the checks (registry, own slot) can refuse now
-                raise ProtocolError(f"refused cells for shard {shard}: {reply[1].decode(errors='replace')}")
+            if int(reply[0]) != 1:
+                # Only a change since the checks (a concurrent merge filled the registry) can
+                # refuse now, after other blobs were written: not the sender's fault, and
+                # sending again (a max-merge) is safe, so not a refusal (4xx) but a retry.
+                raise StorageError(f"cells for shard {shard} not merged (Redis changed since they were "
+                                   f"checked: {reply[1].decode(errors='replace')}); send them again")
             out.add(reply)
             if len(reply) > 9 and int(reply[9]) >= 0:
                 self.parked.note(shard, int(reply[9]))

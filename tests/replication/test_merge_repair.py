@@ -148,3 +148,29 @@ def test_merge_result_reads_replies_of_any_length() -> None:
     result.add([1, 5, 1, 0, 1, 0, 0, 2, 99])  # a later field it does not know is ignored
     assert (result.cells, result.increased, result.dropped_old, result.dropped_future) == (15, 3, 1, 1)
     assert (result.unknown_rule, result.relayed, result.own_ahead) == (3, 4, 2)
+
+
+async def test_an_honest_echo_of_an_own_bucket_already_passed_is_dropped_as_old_not_refused(
+    region: tuple[AsyncLimiter, ReplicationStore], redis_client: redis.Redis
+) -> None:
+    """A peer relays this region's own cells; by the time the message is merged the key's
+    ring (or the window) has moved past their bucket. They are old, like a peer slot's
+    cells of that bucket, and the rest of the message merges."""
+    limiter, store = region
+    start = CLOCK()
+    try:
+        for _ in range(4):
+            await limiter.hit("api", "u")
+        own = _own_slot(limiter, redis_client, b"u")
+        echo = [("api", b"u", BUCKET, own, 4 * SUBSTEPS, 0), ("api", b"v", BUCKET, "p1/a", 2 * SUBSTEPS, 0)]
+        CLOCK.advance(API.window + 3)  # the window has moved past BUCKET
+        await limiter.hit("api", "u")  # the own key's head moves on: BUCKET left its ring
+        result = await store.merge_blobs(blobs_from_cells(limiter.layout, echo), "p1")
+        assert result.dropped_old == 2  # both: the echo and the peer's cell of the same bucket
+        assert (await limiter.usage("api", "u")).by_region == {"r": 1}
+        # In the current bucket, an echo above what this region counted is still refused.
+        fresh = [("api", b"u", CLOCK.now_us() // API.resolution_us, own, 9 * SUBSTEPS, 0)]
+        with pytest.raises(ProtocolError, match="receiver's own slot"):
+            await store.merge_blobs(blobs_from_cells(limiter.layout, fresh), "p1")
+    finally:
+        CLOCK.set(start)

@@ -18,6 +18,7 @@ from geolimit import AsyncLimiter, ManualClock, Rule
 from geolimit.core.window import SUBSTEPS
 from geolimit.errors import ProtocolError
 from geolimit.replication.redis_io import Limits, ReplicationStore, blobs_from_cells
+from tests.support.regions import dump_all
 
 API = Rule("api", 1000, 10, 1)
 
@@ -107,3 +108,33 @@ async def test_a_repair_may_bring_more_new_slot_ids_than_a_delta(
     assert redis_client.dump(limiter.layout.data_key("api", b"s")) == before
     await store.merge_blobs(blobs_from_cells(store.layout, cells), "p", repair=True)
     assert (await limiter.usage("api", b"s")).total == 20
+
+
+async def test_blobs_that_each_fit_but_not_together_are_refused_whole(
+    region: tuple[AsyncLimiter, ReplicationStore, ManualClock], redis_client: redis.Redis,
+) -> None:
+    """The registry and the new-id cap count the slot ids of all of a message's blobs
+    for one shard: 3 blobs of 2 new ids each do not pass a registry with room for 3 by
+    being checked one at a time, and nothing of them is written (not even of the first)."""
+    limiter, store, clock = region
+    await limiter.hit("api", b"victim")  # the own slot: index 0 of 4
+    shard = store.layout.shard_of(b"victim")
+    bucket = clock.now_us() // API.resolution_us
+    blobs = [blob for k in range(2) for blob in blobs_from_cells(
+        store.layout, [("api", b"victim", bucket, f"p/{2 * k + j}", SUBSTEPS, 0) for j in range(2)])]
+    assert {s for s, _ in blobs} == {shard}
+    assert len(blobs) == 2
+    before = dump_all(redis_client)
+    with pytest.raises(ProtocolError, match="registry is full"):
+        await store.merge_blobs(blobs, "p")
+    assert dump_all(redis_client) == before
+    store.limits = Limits(max_slots=64, new_slots=3)
+    with pytest.raises(ProtocolError, match="too many new slot ids"):  # 4 new ids in one message
+        await store.merge_blobs(blobs, "p")
+    assert dump_all(redis_client) == before
+    store.limits = Limits(max_slots=3)
+    with pytest.raises(ProtocolError, match="too many slot ids in one message"):
+        await store.merge_blobs(blobs, "p")
+    assert dump_all(redis_client) == before
+    await store.merge_blobs(blobs[:1], "p")
+    assert (await limiter.usage("api", b"victim")).total == 3

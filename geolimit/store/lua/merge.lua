@@ -178,11 +178,15 @@ for i = 1, n do
       end
       local got = hmget_all(tag .. ':' .. suffix, fields)
       local h = tonumber(got[1])
+      local oldest = known[6] - known[2]  -- older cells are dropped, never written
+      if h and h - M + 1 > oldest then oldest = h - M + 1 end
       for q = 1, #at do
         local j = at[q]
         local b, have = cells[j], 0
         if h and b <= h and b > h - M then have = tonumber(got[q + 1]) or 0 end
-        if cells[j + 2] > have or cells[j + 3] > have then
+        -- An echo of a bucket this region has passed (its key's ring, or the window,
+        -- moved on since the peer packed it) is dropped as old below, like a peer's.
+        if b >= oldest and (cells[j + 2] > have or cells[j + 3] > have) then
           if not repair then return refuse("claims more in the receiver's own slot than it counted") end
           own_ahead = own_ahead + 1
           cells[j + 1] = -1  -- skipped below
