@@ -24,7 +24,14 @@ from geolimit.core.keys import KeyLayout, encode_subject
 from geolimit.core.rule import Rule
 from geolimit.core.usage import Usage
 from geolimit.errors import StorageError
-from geolimit.limiter_base import ESCROW_FIELD, LimiterBase, OnError, RuleSpec, rule_spec
+from geolimit.limiter_base import (
+    ESCROW_FIELD,
+    REGION_FIELD,
+    LimiterBase,
+    OnError,
+    RuleSpec,
+    rule_spec,
+)
 from geolimit.store.async_store import AsyncClusterStore, AsyncRedisStore, AsyncStore
 from geolimit.store.connect import open_async_store
 from geolimit.store.protocol import (
@@ -192,12 +199,11 @@ class AsyncLimiter(LimiterBase):
             return self._degrade(requests, exc)
 
     async def verify_rules(self, rules: Iterable[Rule]) -> None:
-        """Raise ConfigError if any of ``rules`` disagrees with this Redis (no changes made)."""
+        """Raise ConfigError if any of ``rules`` disagrees with this Redis, or if the Redis
+        belongs to another region (no changes made)."""
         rules = list(rules)
-        names = [r.name for r in rules]
-        specs = [rule_spec(r) for r in rules]
-        if not names:
-            return
+        names = [*(r.name for r in rules), REGION_FIELD]
+        specs = [*(rule_spec(r) for r in rules), self._region_b]
         try:
             theirs = await self._store.client().hmget(self._layout.rules_key, names)
         except RedisError as exc:

@@ -60,3 +60,37 @@ def test_the_message_says_how_to_release_a_renamed_region(redis_url: str) -> Non
         client.hdel(f"{prefix}#rules", "@region")
         client.close()
         assert new.hit("api", "u").allowed
+
+
+async def test_an_agent_started_on_another_regions_redis_is_refused_at_start(redis_url: str) -> None:
+    """Not only its first decision: an agent would otherwise gossip (with the other
+    region's incarnation) and report itself ready while its own region's Redis is
+    not replicated at all."""
+    from geolimit.server.agent import Agent
+    from geolimit.server.config import AgentConfig, PeerConfig
+
+    prefix = "rm" + secrets.token_hex(4)
+    with Limiter.from_url(redis_url, region="us-east", rules=RULES, prefix=prefix) as east:
+        east.hit("api", "u")
+    agent = Agent(AgentConfig(region="eu-west", redis_url=redis_url, listen=("127.0.0.1", 0),
+                              secret=secrets.token_bytes(32), peers=(PeerConfig("us-east", "http://127.0.0.1:9"),),
+                              rules=tuple(RULES), key_prefix=prefix))
+    with pytest.raises(ConfigError, match="belongs to region 'us-east', but this process names region 'eu-west'"):
+        await agent.listen()
+    await agent.abort()
+
+
+async def test_a_proxy_on_another_regions_redis_is_refused_at_start(redis_url: str) -> None:
+    """A library-mode proxy would otherwise fail open on every request and say it is ready."""
+    from geolimit.proxy import Proxy, parse_proxy_config
+    from tests.proxy.helpers import proxy_config
+
+    prefix = "rm" + secrets.token_hex(4)
+    with Limiter.from_url(redis_url, region="us-east", rules=RULES, prefix=prefix) as east:
+        east.hit("api", "u")
+    data = proxy_config(["http://127.0.0.1:9"], redis_url=redis_url, region="eu-west",
+                        rules=[{"name": "api", "limit": "10/10s"}], routes=[{"path": "/*", "limits": [{"rule": "api"}]}],
+                        key_prefix=prefix)
+    proxy = Proxy(parse_proxy_config(data))
+    with pytest.raises(ConfigError, match="belongs to region 'us-east'"):
+        await proxy.start()

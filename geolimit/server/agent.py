@@ -25,7 +25,7 @@ from aiohttp import web
 from geolimit.aio import cancel_and_wait
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.core.clock import Clock, micros_source
-from geolimit.errors import GeolimitError, StorageError
+from geolimit.errors import ConfigError, GeolimitError, StorageError
 from geolimit.http.listener import listen
 from geolimit.replication.auth import Signer, Verifier
 from geolimit.replication.escrow import EscrowReplicator
@@ -108,6 +108,13 @@ class Agent:
             # Decisions honour it; replication scripts do bounded work, well within it.
             timeout=cfg.redis_timeout,
         )
+        try:  # another region's Redis, or rules it holds with other windows: refused now
+            await self.limiter.verify_rules(cfg.rules)
+        except StorageError as exc:  # Redis down: decisions fail open or closed until it answers
+            log.warning("agent %s: cannot check the rules and region against Redis now (%s)", cfg.region, exc)
+        except ConfigError:
+            await self._close()
+            raise
         self.verifier.guard = RedisReplayGuard(self.limiter.store, cfg.key_prefix, cfg.region, cfg.auth_window)
         store = ReplicationStore(
             self.limiter.store, self.limiter.layout, cfg.region, self.limiter.rules,
