@@ -29,6 +29,7 @@ def test_agent_on_a_port_in_use_is_a_one_line_error(tmp_path: Path, redis_url: s
         port = squatter.getsockname()[1]
         (tmp_path / "region.toml").write_text(
             f'[region]\nname = "a"\nredis_url = "{redis_url}"\nlisten = "127.0.0.1:{port}"\n'
+            f'key_prefix = "nc{secrets.token_hex(4)}"\n'
             f'secret_file = "gossip.key"\n\n[gossip]\ninterval = 0.1\npeers = []\n\n'
             f'[[rule]]\nname = "api"\nlimit = "10/10s"\n'
         )

@@ -20,8 +20,9 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
-from geolimit.core.escrow import Advert, EscrowState, Ledger, OwnBucket
+from geolimit.core.escrow import Advert, EscrowState, Ledger, OwnBucket, share
 from geolimit.core.rule import Rule
 from geolimit.core.window import MAX_COUNT
 from geolimit.errors import ProtocolError
@@ -30,6 +31,7 @@ __all__ = [
     "MAX_FIELDS_PER_KEY",
     "MAX_VALUE",
     "OwnFigures",
+    "check_funding",
     "ledger_of",
     "own_figures",
     "replicated",
@@ -151,3 +153,32 @@ def vet_fields(fields: Sequence[object], regions: Collection[str]) -> list[tuple
                 raise _refuse(f"advert {name[:80]!r} has a bad value {value[:80]!r}")
         out.append((name, value))
     return out
+
+
+def check_funding(pairs: Sequence[tuple[bytes, bytes]], regions: Sequence[str]) -> None:
+    """:class:`~geolimit.errors.ProtocolError` if some region gave away, in one key's
+    fields, more than it ever held: its share plus what it was given.
+
+    A peer sends a key's whole replicated state (every transfer it knows), and a
+    region gives only from its rights, so in any honest state each giver ``g`` has
+    ``out(g) - in(g) <= share(L) / L`` (as fractions of the limit ``L`` a transfer was
+    made under; the largest such share over ``g``'s limits). A forged gift, say
+    ``t:c:b:10 = 1000`` that ``c`` never made, fails this before anything is written.
+    """
+    ordered = sorted(regions)
+    net: dict[str, Fraction] = {}
+    bound: dict[str, Fraction] = {}
+    for name, value in pairs:
+        t = _TRANSFER.fullmatch(name)
+        if t is None:
+            continue
+        giver, to, limit = t.group(1).decode(), t.group(2).decode(), int(t.group(3))
+        amount = Fraction(int(value), limit)
+        net[giver] = net.get(giver, Fraction(0)) - amount
+        net[to] = net.get(to, Fraction(0)) + amount
+        if giver in ordered:
+            bound[giver] = max(bound.get(giver, Fraction(0)), Fraction(share(limit, ordered, giver), limit))
+    for giver, cap in bound.items():
+        if -net[giver] > cap:
+            raise _refuse(f"region {giver!r} gave away more of this key's limit than it held "
+                          f"({float(-net[giver]):.3g} of it, its share {float(cap):.3g})")

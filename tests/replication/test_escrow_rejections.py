@@ -160,7 +160,8 @@ async def test_a_key_may_not_grow_past_the_fields_one_message_can_carry(rs: Regi
     key = _key(rs, "b", b"victim")
     held = sum(1 for f in client.hkeys(key) if f[:2] in (b"t:", b"a:"))
     room = MAX_FIELDS_PER_KEY - held
-    first = [x for i in range(room) for x in (b"t:a:c:%d" % (i + 1), b"1")]
+    # Gifts both ways under ever other limits: plausible (every region's gifts are funded).
+    first = [x for i in range(room) for x in (b"t:%s:%d" % ((b"a:c", b"c:a")[i % 2], i // 2 + 1), b"1")]
     status, _ = await _post(rs, _push([(b"login:victim", first)]))
     assert status == 200  # exactly full
     # A second message, itself within every per-message bound, would take the key past
@@ -174,7 +175,7 @@ async def test_a_key_may_not_grow_past_the_fields_one_message_can_carry(rs: Regi
         return dumps, client.hgetall(key)
 
     before = state()
-    more = [b"t:a:c:%d" % (room + 1), b"1"]
+    more = [b"t:a:c:%d" % (room + 5), b"1"]
     other = [b"t:a:b:100", b"1"]
     status, body = await _post(rs, _push([(b"login:elsewhere", other), (b"login:victim", more)]))
     assert status == 400, body
@@ -227,3 +228,20 @@ async def test_a_peer_remembers_the_first_hold_of_a_region_and_names_a_later_one
     assert status == 200
     assert known(answer) == [5]
     assert int(client.hget(layout.registry_key(5), "xk:a")) == first[5]  # the first one is kept
+
+
+def test_a_forged_gift_from_a_region_that_never_held_it_is_refused() -> None:
+    """What b receives from a may carry c's transfers (a relays c's state), but never more
+    than c could have given: its share plus what it was given, as fractions of the limit."""
+    from geolimit.errors import ProtocolError
+    from geolimit.store.escrow_fields import check_funding
+
+    regions = ["a", "b", "c"]
+    check_funding([(b"t:c:b:10", b"3")], regions)  # c's share of 10 is 3
+    check_funding([(b"t:a:c:10", b"4"), (b"t:c:b:10", b"7")], regions)  # c passes on what a gave it
+    check_funding([(b"t:c:b:10", b"3"), (b"t:c:a:20", b"0")], regions)
+    check_funding([(b"t:c:b:10", b"3"), (b"a:c", b"1:0:0:0")], regions)
+    for forged in ([(b"t:c:b:10", b"1000")], [(b"t:c:b:10", b"3"), (b"t:c:a:10", b"1")],
+                   [(b"t:a:c:10", b"4"), (b"t:c:b:10", b"8")]):
+        with pytest.raises(ProtocolError, match="gave away more of this key's limit than it held"):
+            check_funding(forged, regions)
