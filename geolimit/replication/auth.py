@@ -168,7 +168,9 @@ class Verifier:
         now = self._clock()
         expected = sign(self._secret, region, self.own_region, stamp, seq_s, body, response=sender is not None)
         if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace")):
-            raise AuthenticationError("bad signature (or addressed to another region)")
+            raise AuthenticationError(
+                f"bad signature on a message naming region {region[:64]!r} (or addressed to another region): "
+                f"every region's secret_file must hold the same secret")
         # Checked after the signature, so that only a peer holding the secret is
         # reported as skewed (a replay of an old message looks the same).
         if not abs(now - when) <= self.window:

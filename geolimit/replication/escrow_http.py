@@ -25,6 +25,7 @@ from geolimit.replication import escrow_wire
 from geolimit.replication.auth import SEQ, Signer, Verifier
 from geolimit.replication.escrow import EscrowReplicator
 from geolimit.replication.escrow_wire import ESCROW_PATH, EscrowMessage
+from geolimit.replication.refusals import RefusalLog
 from geolimit.replication.transport import (
     CONTENT_TYPE,
     ClockRefusals,
@@ -93,6 +94,8 @@ def _error(status: int, reason: str, message: str) -> web.Response:
 
 
 def add_escrow_routes(app: web.Application, agent: EscrowAgent) -> None:
+    refusals = RefusalLog(log)
+
     async def escrow(request: web.Request) -> web.StreamResponse:
         cap = agent.max_message_bytes
         if request.content_length is not None and request.content_length > cap:
@@ -105,7 +108,7 @@ def add_escrow_routes(app: web.Application, agent: EscrowAgent) -> None:
         except ClockSkewError as exc:
             return clock_refused(agent.engine, exc)
         except AuthenticationError as exc:
-            log.warning("escrow message from %s refused: %s", request.remote, exc)
+            refusals.warn("escrow message", request.remote, exc)
             return _error(401, "auth", str(exc))
         replicator = agent.escrow
         if replicator is None:
@@ -116,11 +119,11 @@ def add_escrow_routes(app: web.Application, agent: EscrowAgent) -> None:
                 raise ProtocolError(f"body says it is from {message.sender!r}, headers say {auth.sender!r}")
             reply = await replicator.receive(message, admit=lambda: agent.verifier.check_replay(auth))
         except AuthenticationError as exc:
-            log.warning("escrow message from %s refused: %s", auth.sender, exc)
+            refusals.warn("escrow message", auth.sender, exc)
             return _error(401, "auth", str(exc))
         except ProtocolError as exc:
             replicator.stats["refused"] += 1
-            log.warning("escrow message from %s refused: %s", auth.sender, exc)
+            refusals.warn("escrow message", auth.sender, exc)
             return _error(400, "decode", str(exc))
         except StorageError as exc:
             return _error(503, "redis", str(exc))

@@ -25,6 +25,7 @@ from aiohttp import web
 from geolimit.errors import AuthenticationError, ClockSkewError, ProtocolError, StorageError
 from geolimit.replication import wire
 from geolimit.replication.auth import SEQ
+from geolimit.replication.refusals import RefusalLog
 from geolimit.replication.transport import CONTENT_TYPE, GOSSIP_PATH, clock_refused, read_limited
 from geolimit.server.routes_protocol import GossipAgent
 
@@ -39,6 +40,7 @@ def _error(status: int, reason: str, message: str) -> web.Response:
 
 def add_gossip_routes(app: web.Application, agent: GossipAgent) -> None:
     cap = agent.config.max_message_bytes
+    refusals = RefusalLog(log)
 
     async def gossip(request: web.Request) -> web.StreamResponse:
         metrics = agent.metrics
@@ -56,7 +58,7 @@ def add_gossip_routes(app: web.Application, agent: GossipAgent) -> None:
             return clock_refused(agent.engine, exc)
         except AuthenticationError as exc:
             metrics.rejected.labels("auth").inc()
-            log.warning("gossip from %s refused: %s", request.remote, exc)
+            refusals.warn("gossip", request.remote, exc)
             return _error(401, "auth", str(exc))
         sender = auth.sender
         try:
@@ -66,7 +68,7 @@ def add_gossip_routes(app: web.Application, agent: GossipAgent) -> None:
             agent.verifier.check_body_time(message.now_us)
         except ProtocolError as exc:
             metrics.rejected.labels("decode").inc()
-            log.warning("gossip from %s refused: %s", sender, exc)
+            refusals.warn("gossip", sender, exc)
             return _error(400, "decode", str(exc))
         engine = agent.engine
         if engine is None:
@@ -78,11 +80,11 @@ def add_gossip_routes(app: web.Application, agent: GossipAgent) -> None:
             return _error(503, "redis", str(exc))
         except AuthenticationError as exc:
             metrics.rejected.labels("auth").inc()
-            log.warning("gossip from %s refused: %s", sender, exc)
+            refusals.warn("gossip", sender, exc)
             return _error(401, "auth", str(exc))
         except ProtocolError as exc:
             metrics.rejected.labels("decode").inc()
-            log.warning("gossip from %s refused: %s", sender, exc)
+            refusals.warn("gossip", sender, exc)
             return _error(400, "decode", str(exc))
         payload = wire.encode(reply)
         headers = agent.signer.headers(payload, sender, seq=int(request.headers[SEQ]), response=True)

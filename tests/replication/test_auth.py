@@ -82,7 +82,7 @@ def test_the_signature_covers_sender_destination_time_seq_and_body() -> None:
 
 async def test_a_message_signed_for_b_is_refused_by_c(clock: Clock) -> None:
     headers = Signer(SECRET, "a", clock).headers(BODY, "b")
-    with pytest.raises(AuthenticationError, match=r"bad signature \(or addressed to another region\)"):
+    with pytest.raises(AuthenticationError, match=r"bad signature on a message naming region '\w+' \(or addressed to another region\): every region's secret_file must hold the same secret"):
         await _verifier("c", clock).verify_request(headers, BODY)
     assert await _verifier("b", clock).verify_request(headers, BODY) == "a"
 
