@@ -350,40 +350,66 @@ local nums = setmetatable({}, {__index = function(cache, s)
   cache[s] = v
   return v
 end})
--- The usual key: one cell, within the window. The same writes as the general
--- loop below (tests/replication/test_merge_matches_model.py), with fewer table
--- operations and one HMGET of the four fields it needs (cheaper than HGETALL; a
--- moving head then clears the ring positions it passes with clear()): false if
--- the key is not such a key.
+-- The usual key: one cell, within the window, read whole. The same writes as the
+-- general loop below (tests/replication/test_merge_matches_model.py), with fewer
+-- table operations: false if the key is not such a key.
 local prefix = tag .. ':'
 local function merge_one(i, o, spec)
   local b, r = cells[o + 1], cells[o + 2]
   local c = spec[6]
-  if r < 0 or b > c + spec[4] or b < c - spec[2] then return false end
+  if r < 0 or b > c + spec[4] or b < c - spec[2] or dense or not spec[8] then return false end
   local M = spec[3]
   local f = idx[r + 1] * M + b % M
   local key = prefix .. keys[i]
-  local got = call('HMGET', key, 'h', 'e', fnames[f], fnames[-f - 1])
-  local hs, e, v0, w0 = got[1], got[2] or nil, 0, 0
-  local h = nil
-  if hs then
-    -- Most heads are the cell's bucket or the one before: compare strings (tonumber is dear).
-    if hs == fnames[b] then h = b
+  local flat = call('HGETALL', key)
+  local nf = #flat
+  if nf > 64 then dense = true end
+  local h, e, v0, w0, stale = nil, nil, 0, 0, nil
+  if nf > 0 then
+    local hs = nil
+    if flat[1] == 'h' then hs = flat[2] else
+      for x = 3, nf, 2 do if flat[x] == 'h' then hs = flat[x + 1] break end end
+    end
+    if hs == nil then h = nil
+    elseif hs == fnames[b] then h = b
     elseif hs == fnames[b - 1] then h = b - 1
     else h = tonumber(hs) end
   end
-  if h and b <= h and b > h - M then
-    if got[3] then v0 = nums[got[3]] end
-    if got[4] then w0 = nums[got[4]] end
+  if h then
+    local span = b - h
+    local moves = span > 0 and span < M
+    local gone = nil
+    if moves then gone = passed(spec, h, span) end
+    local n1, n2 = nil, nil
+    if b <= h and b > h - M then n1, n2 = fnames[f], fnames[-f - 1] end
+    for x = 1, nf, 2 do
+      local name = flat[x]
+      local drop = false
+      if gone then
+        drop = gone[name]
+      elseif moves then
+        local g = tonumber(name)
+        if g then
+          if g < 0 then g = -g - 1 end
+          drop = (g % M - h - 1) % M < span
+        end
+      end
+      if drop then
+        stale = stale or {}
+        stale[#stale + 1] = name
+      elseif name == 'e' then e = flat[x + 1]
+      elseif name == n1 then v0 = nums[flat[x + 1]]
+      elseif name == n2 then w0 = nums[flat[x + 1]] end
+    end
   end
   local newh = h
   if not h or b > h then newh = b end
   if h and newh > h then
     if newh - h >= M then
       call('DEL', key)
-      h, e = nil, nil
-    else
-      clear(key, h, newh, M)
+      h, e, v0, w0 = nil, nil, 0, 0
+    elseif stale then
+      chunked('HDEL', key, stale, 1000)
     end
   end
   local nw, mark = 0, nil
