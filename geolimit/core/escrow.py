@@ -55,6 +55,7 @@ __all__ = [
     "decide",
     "give",
     "merge",
+    "net_received",
     "plan",
     "plan_round",
     "rebalance",
@@ -123,6 +124,12 @@ def rights(state: EscrowState, region: str, regions: Sequence[str], limit: int) 
     rounded down. A region's own copy holds all of its outgoing transfers (it
     wrote them) and at most what others gave it, so its view never exceeds its true rights.
     """
+    return share(limit, regions, region) + math.floor(net_received(state, region) * limit)
+
+
+def net_received(state: EscrowState, region: str) -> Fraction:
+    """What ``region`` was given minus what it gave, as a fraction of the limit (a
+    transfer of ``amount`` made under limit ``L`` is ``amount / L`` of it)."""
     net = Fraction(0)
     for (giver, to, made_under), amount in state.transfers.items():
         if giver == to or made_under <= 0:
@@ -131,7 +138,7 @@ def rights(state: EscrowState, region: str, regions: Sequence[str], limit: int) 
             net += Fraction(amount, made_under)
         elif giver == region:
             net -= Fraction(amount, made_under)
-    return share(limit, regions, region) + math.floor(net * limit)
+    return net
 
 
 def give(state: EscrowState, giver: str, receiver: str, amount: int, limit: int) -> EscrowState:

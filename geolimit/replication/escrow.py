@@ -34,7 +34,7 @@ from geolimit.core.rule import Rule
 from geolimit.errors import GeolimitError, ProtocolError
 from geolimit.replication.escrow_io import EscrowStore, Held
 from geolimit.replication.escrow_wire import MAX_KEYS, EscrowMessage
-from geolimit.store.escrow_fields import check_funding, own_figures, state_of, vet_fields
+from geolimit.store.escrow_fields import own_figures, state_of, vet_fields
 
 __all__ = ["EscrowPeer", "EscrowReplicator", "EscrowTransport"]
 
@@ -314,7 +314,6 @@ class EscrowReplicator:
             if not sep or len(subject) > MAX_SUBJECT_BYTES:
                 raise ProtocolError("escrow: a key is rule:subject, the subject at most 4096 bytes")
             pairs = vet_fields(fields, self.regions)
-            check_funding(pairs, self.regions)
             rule = self.rules.get(name.decode(errors="replace"))
             if rule is None or rule.name not in accepted or not pairs:
                 continue

@@ -22,7 +22,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from geolimit.core.escrow import Advert, EscrowState, Ledger, OwnBucket, share
+from geolimit.core.escrow import Advert, EscrowState, Ledger, OwnBucket, net_received, share
 from geolimit.core.rule import Rule
 from geolimit.core.window import MAX_COUNT
 from geolimit.errors import ProtocolError
@@ -31,7 +31,6 @@ __all__ = [
     "MAX_FIELDS_PER_KEY",
     "MAX_VALUE",
     "OwnFigures",
-    "check_funding",
     "ledger_of",
     "own_figures",
     "replicated",
@@ -120,13 +119,15 @@ def vet_fields(fields: Sequence[object], regions: Collection[str]) -> list[tuple
     :class:`~geolimit.errors.ProtocolError` naming the first fault.
 
     Only transfers and adverts, only between configured ``regions``, with numbers
-    Redis's Lua holds exactly; a transfer's limit is one a rule may have.
+    Redis's Lua holds exactly; a transfer's limit is one a rule may have; and no
+    region gives away more than it held (its share plus what it was given).
     """
     if len(fields) % 2 or len(fields) > 2 * MAX_FIELDS_PER_KEY:
         raise _refuse(f"a key carries name, value pairs, at most {MAX_FIELDS_PER_KEY} of them")
     known = {r.encode() for r in regions}
     out: list[tuple[bytes, bytes]] = []
     seen: set[bytes] = set()
+    transfers: dict[tuple[str, str, int], int] = {}
     for i in range(0, len(fields), 2):
         name, value = fields[i], fields[i + 1]
         if type(name) is not bytes or type(value) is not bytes:
@@ -142,6 +143,7 @@ def vet_fields(fields: Sequence[object], regions: Collection[str]) -> list[tuple
                 raise _refuse(f"transfer {name[:140]!r} under a limit over 2**46")
             if not _NUMBER.fullmatch(value) or int(value) > MAX_VALUE:
                 raise _refuse(f"transfer {name[:140]!r} has a bad amount {value[:40]!r}")
+            transfers[(t.group(1).decode(), t.group(2).decode(), int(t.group(3)))] = int(value)
         else:
             a = _ADVERT.fullmatch(name)
             if a is None:
@@ -152,12 +154,14 @@ def vet_fields(fields: Sequence[object], regions: Collection[str]) -> list[tuple
             if m is None or any(int(x) > MAX_VALUE for x in m.groups()):
                 raise _refuse(f"advert {name[:80]!r} has a bad value {value[:80]!r}")
         out.append((name, value))
+    _check_funding(EscrowState(transfers), sorted(regions))
     return out
 
 
-def check_funding(pairs: Sequence[tuple[bytes, bytes]], regions: Sequence[str]) -> None:
-    """:class:`~geolimit.errors.ProtocolError` if some region gave away, in one key's
-    fields, more than it ever held: its share plus what it was given.
+
+def _check_funding(state: EscrowState, regions: Sequence[str]) -> None:
+    """Refuse a key in which some region gave away more than it ever held: its
+    share plus what it was given.
 
     A peer sends a key's whole replicated state (every transfer it knows), and a
     region gives only from its rights, so in any honest state each giver ``g`` has
@@ -165,20 +169,11 @@ def check_funding(pairs: Sequence[tuple[bytes, bytes]], regions: Sequence[str]) 
     made under; the largest such share over ``g``'s limits). A forged gift, say
     ``t:c:b:10 = 1000`` that ``c`` never made, fails this before anything is written.
     """
-    ordered = sorted(regions)
-    net: dict[str, Fraction] = {}
-    bound: dict[str, Fraction] = {}
-    for name, value in pairs:
-        t = _TRANSFER.fullmatch(name)
-        if t is None:
-            continue
-        giver, to, limit = t.group(1).decode(), t.group(2).decode(), int(t.group(3))
-        amount = Fraction(int(value), limit)
-        net[giver] = net.get(giver, Fraction(0)) - amount
-        net[to] = net.get(to, Fraction(0)) + amount
-        if giver in ordered:
-            bound[giver] = max(bound.get(giver, Fraction(0)), Fraction(share(limit, ordered, giver), limit))
-    for giver, cap in bound.items():
-        if -net[giver] > cap:
+    caps: dict[str, Fraction] = {}
+    for giver, _, limit in state.transfers:
+        caps[giver] = max(caps.get(giver, Fraction(0)), Fraction(share(limit, regions, giver), limit))
+    for giver, cap in caps.items():
+        given = -net_received(state, giver)
+        if given > cap:
             raise _refuse(f"region {giver!r} gave away more of this key's limit than it held "
-                          f"({float(-net[giver]):.3g} of it, its share {float(cap):.3g})")
+                          f"({float(given):.3g} of it, its share {float(cap):.3g})")
