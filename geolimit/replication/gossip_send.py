@@ -90,7 +90,6 @@ class Sender(Receiver):
                         # shard's call failed): a later round returns them to the outbox.
                         peer.unsettled.add(slot)
                         raise
-                peer.flight_keys[slot] = packed.keys
                 peer.last_attempt = sent_at = self.clock()
                 try:
                     reply = await self.transport.send(peer.name, self.message("delta", peer.name, packed.blobs))
