@@ -57,11 +57,12 @@ async def test_streaming_100_mb_both_ways_keeps_the_proxy_memory_flat(
     tmp_path: Path, upstream: Upstream, redis_url: str, redis_client: redis.Redis, running: list[ProxyProcess],
 ) -> None:
     data = proxy_config([upstream.url], redis_url=redis_url, rules=[{"name": "bytes", "limit": "10000000000/10s"}],
-                        routes=[{"path": "/echo", "limits": [{"rule": "bytes", "cost": "body"}]}])
+                        routes=[{"path": "/echo", "limits": [{"rule": "bytes", "cost": "body"}]}],
+                        timeout=120)  # the upstream exchange's cap (30 s by default), not what this test measures
     data["log"] = {"level": "INFO"}
     proc, url, _ = await launch(running, tmp_path / "proxy.toml", data)
     total = 100 * MIB
-    timeout = aiohttp.ClientTimeout(total=60)
+    timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session:
 
         async def echo(size: int) -> tuple[int, str, int]:
@@ -94,11 +95,12 @@ async def test_a_100_mb_download_on_the_fast_path_keeps_the_proxy_memory_flat(
     tmp_path: Path, upstream: Upstream, redis_url: str, redis_client: redis.Redis, running: list[ProxyProcess],
 ) -> None:
     data = proxy_config([upstream.url], redis_url=redis_url, rules=[{"name": "api", "limit": "1000/10s"}],
-                        routes=[{"path": "/download/*", "limits": [{"rule": "api", "key": "ip"}]}])
+                        routes=[{"path": "/download/*", "limits": [{"rule": "api", "key": "ip"}]}],
+                        timeout=120)  # a slow reader on a busy CI took 30 s, the default cap: 504
     data["log"] = {"level": "INFO"}
     proc, url, _ = await launch(running, tmp_path / "proxy.toml", data)
     total = 100 * MIB
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60), auto_decompress=False) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120), auto_decompress=False) as session:
 
         async def download(size: int) -> tuple[int, str, int]:
             digest = hashlib.sha256()
