@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from geolimit.errors import ProtocolError, StorageError
 from geolimit.replication.antientropy import AntiEntropy, AntiEntropyResult
+from geolimit.replication.antientropy.common import Admit
 from geolimit.replication.peers import PeerState
 from geolimit.replication.transport import TransportError
 from geolimit.replication.wire import Blob
@@ -88,7 +89,7 @@ class AntiEntropyDriver:
         engine.note_reach(state, reply, state.last_heard)
         return reply.ae
 
-    async def _merge(self, peer: str, blobs: list[Blob]) -> None:
+    async def _merge(self, peer: str, blobs: list[Blob], admit: Admit | None) -> None:
         # Repair mode: cells claiming more in our own slot than we hold (a failover
         # or a restore lost our latest writes) are skipped and counted, so the rest
         # of the repair goes through.
@@ -98,7 +99,7 @@ class AntiEntropyDriver:
         # sent to one peer and not yet to another comes back only in these repairs, so
         # they go on to every other peer (max-merges: a duplicate costs nothing else).
         relay = sorted(p for p in engine.peers if p != peer) if peer in self._relay_all else engine.relays(state)
-        merged = await engine.store.merge_blobs(blobs, peer, relay, repair=True)
+        merged = await engine.store.merge_blobs(blobs, peer, relay, admit=admit, repair=True)
         engine.count(state, merged)
 
     async def _run(self, peer: PeerState) -> None:

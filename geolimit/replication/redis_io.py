@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -47,6 +48,10 @@ MAX_WINDOW = 8
 #: Blob bytes vetted in Python between two yields of the event loop (about 7 ms of work).
 VET_YIELD_BYTES = 256 * 1024
 
+#: Cells of peers' blobs that one trip of merge calls may carry (about 25 ms of Redis
+#: time): Redis runs a pipelined trip whole, so a decision waits behind one trip at most.
+MERGE_TRIP_CELLS = 4096
+
 
 class ReplicationStore:
     """Drain, pack, settle and merge one region's Redis for the agent."""
@@ -79,6 +84,9 @@ class ReplicationStore:
         self.peers = list(peers)
         self._regions = [region.encode(), *(p.encode() for p in self.peers)]
         self._allowed = frozenset(self._regions)
+        # One trip of merge calls at a time, whatever the number of messages being merged
+        # (peers' deltas, anti-entropy, unparking): decisions never queue behind several.
+        self._merge_gate = asyncio.Lock()
         self.set_rules(rules)
 
     def set_rules(self, rules: Mapping[str, Rule]) -> None:
@@ -263,7 +271,7 @@ class ReplicationStore:
 
         checks: list[Blob] = []
         slot_ids: dict[int, dict[bytes, None]] = {}  # shard -> the slot ids of its blobs, in order
-        vetted_bytes = 0
+        vetted_bytes, most_cells = 0, 1
         for shard, blob in blobs:
             # Vetting is Python work (about 27 ms per MB): a big message yields the loop
             # every VET_YIELD_BYTES, so decisions do not wait behind it.
@@ -277,6 +285,7 @@ class ReplicationStore:
                 vetted = vet_blob(blob, self._allowed, lim.blob_cells, lim.max_slots, shard, self.layout.shards)
             except ProtocolError as exc:
                 raise ProtocolError(f"refused cells for shard {shard}: {exc}") from None
+            most_cells = max(most_cells, vetted.cells)
             # What needs Redis state is checked there before anything is written: for a
             # blob with this region's slots, claims on its own current slot (every cell);
             # and, per shard, the registry with the slot ids of all the message's blobs
@@ -291,7 +300,8 @@ class ReplicationStore:
             if len(ids) > lim.max_slots:
                 raise ProtocolError(f"refused cells for shard {shard}: too many slot ids in one message")
             checks.append((shard, pack_blob(list(ids), (), (), ())))
-        for (shard, _), reply in zip(checks, checked_replies(await self.store.run_many(_MERGE, calls(b"0", checks))),
+        per_trip = max(1, MERGE_TRIP_CELLS // most_cells)
+        for (shard, _), reply in zip(checks, checked_replies(await self._merge_trips(calls(b"0", checks), per_trip)),
                                      strict=True):
             if int(reply[0]) != 1:
                 raise ProtocolError(f"refused cells for shard {shard}: {reply[1].decode(errors='replace')}")
@@ -299,7 +309,7 @@ class ReplicationStore:
             await admit()
         out = MergeResult()
         # b"2": the blobs the b"0" calls accepted, so merge.lua skips the per-cell type checks.
-        for (shard, _), reply in zip(blobs, checked_replies(await self.store.run_many(_MERGE, calls(b"2", blobs))),
+        for (shard, _), reply in zip(blobs, checked_replies(await self._merge_trips(calls(b"2", blobs), per_trip)),
                                      strict=True):
             if int(reply[0]) != 1:
                 # Only a change since the checks (a concurrent merge filled the registry) can
@@ -311,6 +321,14 @@ class ReplicationStore:
             if len(reply) > 9 and int(reply[9]) >= 0:
                 self.parked.note(shard, int(reply[9]))
         return out
+
+    async def _merge_trips(self, calls: list[list[bytes]], per_trip: int) -> list[Any]:
+        """merge.lua ``calls``, ``per_trip`` at a time, each trip under the merge gate."""
+        replies: list[Any] = []
+        for start in range(0, len(calls), per_trip):
+            async with self._merge_gate:
+                replies += await self.store.run_many(_MERGE, calls[start : start + per_trip], per_trip)
+        return replies
 
     # -- whole-window reads (anti-entropy, the demo) ------------------------------
 

@@ -48,8 +48,12 @@ class AsyncStore(Protocol):
 
     async def run(self, script: LuaScript, args: list[bytes]) -> Any: ...
 
-    async def run_many(self, script: LuaScript, calls: list[list[bytes]]) -> list[Any]:
-        """Several calls of one script; each reply or the exception it raised."""
+    async def run_many(self, script: LuaScript, calls: list[list[bytes]], per_trip: int | None = None) -> list[Any]:
+        """Several calls of one script; each reply or the exception it raised.
+
+        With ``per_trip``, at most that many calls are sent to Redis at a time (the
+        store's own default otherwise).
+        """
 
     async def read(self, keys: list[bytes]) -> list[dict[bytes, bytes]]: ...
 
@@ -217,8 +221,8 @@ class AsyncRedisStore:
             except NoScriptError as exc:  # pragma: no cover
                 raise StorageError(f"Redis lost script {script.name} right after loading it") from exc
 
-    async def run_many(self, script: LuaScript, calls: list[list[bytes]], per_trip: int = 8) -> list[Any]:
-        """Pipelined on one connection, ``per_trip`` calls per round trip.
+    async def run_many(self, script: LuaScript, calls: list[list[bytes]], per_trip: int | None = None) -> list[Any]:
+        """Pipelined on one connection, ``per_trip`` calls (default 8) per round trip.
 
         Redis answers a pipelined batch only once it has run all of it, so long
         scripts are sent in small groups: each round trip stays well within the
@@ -226,6 +230,7 @@ class AsyncRedisStore:
         """
         if not calls:
             return []
+        per_trip = per_trip or 8
         if script.function is not None and self.functions is not False:
             replies = await self._pipelined(script, [pack_command(b"FCALL", script.function, *a) for a in calls], per_trip)
             missing = [i for i, r in enumerate(replies) if isinstance(r, _FunctionMissing)]
@@ -377,7 +382,7 @@ class AsyncClusterStore:
             # RedisClusterException is not a RedisError; the others are the client's own bugs.
             raise StorageError(f"Redis Cluster client failed: {type(exc).__name__}: {exc}") from exc
 
-    async def run_many(self, script: LuaScript, calls: list[list[bytes]]) -> list[Any]:
+    async def run_many(self, script: LuaScript, calls: list[list[bytes]], per_trip: int | None = None) -> list[Any]:
         async def one(args: list[bytes]) -> Any:
             try:
                 return await self.run(script, args)
@@ -389,7 +394,11 @@ class AsyncClusterStore:
                 await self._initialize()
             except (RedisError, RedisClusterException) as exc:
                 raise StorageError(f"Redis Cluster error: {describe_error(exc)}") from exc
-        return list(await asyncio.gather(*(one(args) for args in calls)))
+        replies: list[Any] = []
+        step = per_trip or max(1, len(calls))  # per_trip calls in all at a time: a bound on every node
+        for start in range(0, len(calls), step):
+            replies += await asyncio.gather(*(one(args) for args in calls[start : start + step]))
+        return replies
 
     async def read(self, keys: list[bytes]) -> list[dict[bytes, bytes]]:
         try:

@@ -95,8 +95,10 @@ class Region:
             out[key] = self.client.hgetall(key) if kind == b"hash" else self.client.dump(key)
         return out
 
-    async def merge(self, peer: str, blobs: list[tuple[int, bytes]]) -> None:
+    async def merge(self, peer: str, blobs: list[tuple[int, bytes]], admit: Any = None) -> None:
         """Test-only max-merge of blobs (the agent's merge_blobs does this in Lua)."""
+        if admit is not None:
+            await admit()
         self.merged.append((peer, len(blobs)))
         for shard, blob in blobs:
             check_blob(blob, shard, self.layout, RULES)

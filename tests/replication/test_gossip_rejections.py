@@ -277,3 +277,30 @@ async def test_an_answer_whose_body_time_is_outside_the_auth_window_fails_the_ex
     await target.step(1, ["a"])
     assert abs(a.peers["b"].skew) < 1
     assert "now" in str(a.peers["b"].ae_last_error)
+
+
+async def test_an_anti_entropy_push_that_merge_lua_refuses_leaves_no_trace(target: Regions) -> None:
+    """A push whose slot ids would overfill the shard's registry passes every check in
+    Python and is refused by merge.lua: a 400, and Redis byte-identical afterwards (the
+    replay guard did not record it), so the same signed push is judged again, not as a replay."""
+    signer, shards = _signer(target), KeyLayout().shards
+    bucket = target.clock.now_us() // API.resolution_us  # type: ignore[union-attr]
+    shard = KeyLayout().shard_of(b"victim")
+    for n in range(15):  # 240 incarnations of a: 16 new slot ids per delta, the cap
+        blob = _blob([(bucket, j, SUBSTEPS, 0) for j in range(16)], [f"a/i{16 * n + j}" for j in range(16)])
+        body = _message([(shard, blob)])
+        assert (await _post(target, body, signer.headers(body, "b")))[0] == 200
+    xid = b"x" * 16
+    begin = _message([], kind="ae", ae={"op": "begin", "x": xid, "now": target.clock.now_us(),  # type: ignore[union-attr]
+                                         "shards": shards, "leaves": 1, "rules": [["api", *API.structure[:2]]]})
+    assert (await _post(target, begin, signer.headers(begin, "b")))[0] == 200
+    blob = _blob([(bucket, j, SUBSTEPS, 0) for j in range(20)], [f"a/r{j}" for j in range(20)])
+    push = _message([], kind="ae", ae={"op": "push", "x": xid, "blobs": [[shard, blob]]})
+    headers = signer.headers(push, "b")
+    client = target["b"].client()
+    before = dump_all(client)
+    for _ in range(2):
+        status, reply = await _post(target, push, headers)
+        assert status == 400, reply
+        assert "registry is full" in str(reply["error"])
+        assert dump_all(client) == before

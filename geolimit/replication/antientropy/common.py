@@ -20,8 +20,10 @@ log = logging.getLogger("geolimit.antientropy")
 
 Blob = tuple[int, bytes]
 Send = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
-Merge = Callable[[str, list[Blob]], Awaitable[None]]
 Admit = Callable[[], Awaitable[object]]
+#: merge(peer, blobs, admit): max-merge; ``admit`` (the replay guard, or None) runs
+#: after every check and before the first write, so a refused push leaves no trace.
+Merge = Callable[[str, list[Blob], Admit | None], Awaitable[None]]
 
 #: Digests are sums mod 2**52 (exact in Lua's doubles).
 MASK = (1 << 52) - 1

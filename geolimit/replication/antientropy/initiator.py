@@ -356,7 +356,7 @@ class AntiEntropy(_Responder):
             if got == 0 and at <= pos:
                 raise ProtocolError("anti-entropy: a read step made no progress")
             if blobs:
-                await self.merge(peer, blobs)
+                await self.merge(peer, blobs, None)
             result.blobs_received += len(blobs)
             result.cells_received += cells
             result.keys_received += got

@@ -283,9 +283,9 @@ class _Responder:
 
     async def _on_push(self, ex: _Exchange, payload: dict[str, Any], admit: Admit | None) -> dict[str, Any]:
         blobs, cells = _check_blobs(_list(payload, "blobs", MAX_PUSH_BLOBS), self.layout, ex.plan.rules, MAX_PUSH_BYTES)
-        if admit is not None:
-            await admit()
         if blobs:
-            await self.merge(ex.peer, blobs)
+            await self.merge(ex.peer, blobs, admit)  # admits once merge.lua's checks passed
+        elif admit is not None:
+            await admit()
         self.stats["cells_merged"] += cells
         return {"ok": True, "cells": cells}
