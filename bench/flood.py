@@ -28,14 +28,14 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import quantile, start_agent_processes, stop_process, wait_agents_ready  # noqa: E402
-from geolimit.core.keys import KeyLayout  # noqa: E402
-from geolimit.core.window import SUBSTEPS  # noqa: E402
-from geolimit.replication import wire  # noqa: E402
-from geolimit.replication.auth import Signer  # noqa: E402
-from geolimit.replication.redis_io import pack_blob  # noqa: E402
-from geolimit.toml_config import read_secret  # noqa: E402
-from geolimit.store.embedded import EmbeddedRedis  # noqa: E402
+from bench._common import quantile, start_agent_processes, stop_process, wait_agents_ready
+from geolimit.core.keys import KeyLayout
+from geolimit.core.window import SUBSTEPS
+from geolimit.replication import wire
+from geolimit.replication.auth import Signer
+from geolimit.replication.redis_io import pack_blob
+from geolimit.store.embedded import EmbeddedRedis
+from geolimit.toml_config import read_secret
 
 RULES = '[[rule]]\nname = "api"\nlimit = "1000/10s"\nresolution = "1s"\n'
 API_STRUCTURE = (10_000_000, 1_000_000, 0)
