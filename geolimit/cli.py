@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from geolimit import __version__
+from geolimit import __version__, cli_args
 from geolimit.errors import GeolimitError
 
 __all__ = ["main"]
@@ -44,12 +44,19 @@ def _cmd_redis(args: argparse.Namespace) -> int:
     import threading
 
     from geolimit.store.embedded import EmbeddedRedis
-    from geolimit.store.embedded.server import tail
+    from geolimit.store.embedded.server import PortInUseError, tail
 
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server = EmbeddedRedis(host=args.host, port=args.port)
     try:
-        with EmbeddedRedis(host=args.host, port=args.port) as server:
+        try:
+            server.start()
+        except PortInUseError as exc:
+            print(f"geolimit: error: port {exc.port} on {exc.host} is already in use by another process; "
+                  "pick another with --port N, or leave --port out to get a free one", file=sys.stderr)
+            return 1
+        with server:  # started: entering only arranges the stop
             print(server.url, flush=True)
             print(f"redis-server {server.version} (pid {server.pid}); Ctrl-C stops it", file=sys.stderr, flush=True)
             try:
@@ -260,18 +267,19 @@ def _cmd_bench_accuracy(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="geolimit", description="Multi-region rate limiter on Redis.")
+    parser = cli_args.CliParser(prog="geolimit", description="Multi-region rate limiter on Redis.")
     parser.add_argument("--version", action="version", version=f"geolimit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("try", help="hit a rule against a Redis and print the decisions")
-    p.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL (default: %(default)s)")
-    p.add_argument("--embedded", action="store_true",
-                   help="start a throwaway embedded redis-server instead of using --redis")
+    where = p.add_mutually_exclusive_group()  # --embedded with --redis: a usage error
+    where.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL (default: %(default)s)")
+    where.add_argument("--embedded", action="store_true",
+                       help="start a throwaway embedded redis-server instead of using --redis")
     p.add_argument("--region", default="local", help="region name (default: %(default)s)")
     p.add_argument("--rule-name", default="try", help="rule name (default: %(default)s)")
-    p.add_argument("--times", type=int, default=5, help="how many hits (default: %(default)s)")
-    p.add_argument("--cost", type=int, default=1, help="cost of each hit (default: %(default)s)")
+    p.add_argument("--times", type=cli_args.int_at_least(1), default=5, help="how many hits, 1 or more (default: %(default)s)")
+    p.add_argument("--cost", type=cli_args.cost, default=1, help="cost of each hit, 0 to 2**46 (default: %(default)s)")
     p.add_argument("rate", help="rate string such as 5/10s, '100 per minute' or '10/hour;5/minute'")
     p.add_argument("subject", help="who is limited, such as user:42")
     p.set_defaults(handler=_cmd_try)
@@ -283,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Ctrl-C or SIGTERM.",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    p.add_argument("--port", type=int, default=None, help="TCP port (default: a free one)")
+    p.add_argument("--port", type=cli_args.tcp_port, default=None, help="TCP port, 1 to 65535 (default: a free one)")
     p.set_defaults(handler=_cmd_redis)
 
     p = sub.add_parser("agent", help="run a region's replication agent and HTTP API")
@@ -307,10 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
         "2 refused request (bad arguments, unknown rule, missing or wrong token), 3 agent unreachable or failing.",
     )
     p.add_argument("--agent", default="http://127.0.0.1:7400", help="agent URL (default: %(default)s)")
-    p.add_argument("--cost", type=int, default=1, help="cost of the request (default: %(default)s)")
+    p.add_argument("--cost", type=cli_args.cost, default=1, help="cost of the request, 0 to 2**46 (default: %(default)s)")
     p.add_argument("--peek", action="store_true", help="do not consume")
     p.add_argument("--json", action="store_true", help="print the JSON decision")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default: %(default)s)")
+    p.add_argument("--timeout", type=cli_args.positive_seconds, default=5.0,
+                   help="seconds to wait for the agent, > 0 (default: %(default)s)")
     p.add_argument("--token-file", help="file holding the agent's API token (region.api_token_file)")
     p.add_argument("rule", nargs="+", help="rule name(s); several are all-or-nothing")
     p.add_argument("subject")
@@ -321,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", default=None,
                    help="file holding the agent's API token (region.api_token_file)")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default: %(default)s)")
+    p.add_argument("--timeout", type=cli_args.positive_seconds, default=5.0,
+                   help="seconds to wait for the agent, > 0 (default: %(default)s)")
     p.set_defaults(handler=_cmd_status)
 
     p = sub.add_parser("demo", help="run 3 regions on this machine, partition one, plot the result")
@@ -358,7 +368,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:  # `geolimit status --json | head -c 10`: stop quietly, as Unix tools do
+        return cli_args.quiet_broken_pipe()
     except GeolimitError as exc:
         print(f"geolimit: error: {exc}", file=sys.stderr)
         return 1

@@ -27,7 +27,7 @@ from redis.retry import Retry
 
 from geolimit.errors import ConfigError, StorageError
 
-__all__ = ["HOW_TO_GET_REDIS", "EmbeddedRedis", "find_redis_server"]
+__all__ = ["HOW_TO_GET_REDIS", "EmbeddedRedis", "PortInUseError", "find_redis_server"]
 
 ENV_SERVER = "GEOLIMIT_REDIS_SERVER"
 HOW_TO_GET_REDIS = (
@@ -158,6 +158,14 @@ class _PortInUse(Exception):
     pass
 
 
+class PortInUseError(StorageError):
+    """The fixed ``port`` on ``host`` is held by another process."""
+
+    def __init__(self, message: str, host: str, port: int) -> None:
+        super().__init__(message)
+        self.host, self.port = host, port
+
+
 class EmbeddedRedis:
     """One ``redis-server`` child process bound to ``host`` (loopback by default).
 
@@ -251,9 +259,9 @@ class EmbeddedRedis:
                 with contextlib.suppress(_PortInUse):
                     self._launch(binary, port)
                     return self
-            raise StorageError(
+            raise PortInUseError(
                 f"port {port} was already in use ({attempts} attempt(s)); "
-                f"last log lines:\n{tail(self.log_path)}"
+                f"last log lines:\n{tail(self.log_path)}", self._host, port,
             )
         except BaseException:
             self.stop()
@@ -264,11 +272,12 @@ class EmbeddedRedis:
         if self._port is None or self._dir is None:
             return self.start()
         self._terminate()
+        port = self._port
         try:
-            self._launch(self._binary or find_redis_server(), self._port)
+            self._launch(self._binary or find_redis_server(), port)
         except _PortInUse:
             self.stop()
-            raise StorageError(f"port {self._port} was taken while restarting redis") from None
+            raise PortInUseError(f"port {port} was taken while restarting redis", self._host, port) from None
         except BaseException:
             self.stop()
             raise
@@ -341,7 +350,7 @@ class EmbeddedRedis:
                     self._pid, self._version = int(info["process_id"]), str(info["redis_version"])
                     return
                 last_error = f"port answered by another redis-server (dir={served_dir!r})"
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+            except redis.RedisError as exc:  # also a non-Redis holder of the port (HTTP: InvalidResponse)
                 last_error = f"{type(exc).__name__}: {exc}"
             finally:
                 client.close()

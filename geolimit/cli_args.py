@@ -1,0 +1,90 @@
+"""Argument types and the parser class of the ``geolimit`` command line.
+
+A value out of range is a usage error found while parsing (exit 2), before anything
+starts, and its message names the flag: ``geolimit try: error: argument --times: must be
+a whole number of at least 1, got '-1' (see 'geolimit try --help')``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+__all__ = ["CliParser", "cost", "int_at_least", "positive_seconds", "quiet_broken_pipe", "tcp_port"]
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr (exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _int(text: str, expected: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}") from None
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argument type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        expected = f"a whole number of at least {minimum}"
+        value = _int(text, expected)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+def cost(text: str) -> int:
+    """An argument type: the cost of a hit, 0 to 2**46 (what the limiter and the agent accept)."""
+    from geolimit.store.protocol import MAX_COST
+
+    expected = f"a whole number from 0 to 2**46 ({MAX_COST})"
+    value = _int(text, expected)
+    if not 0 <= value <= MAX_COST:
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+    return value
+
+
+def tcp_port(text: str) -> int:
+    """An argument type: a TCP port, 1 to 65535."""
+    expected = "a TCP port from 1 to 65535 (leave the flag out to get a free one)"
+    value = _int(text, expected)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argument type: a finite number of seconds greater than 0."""
+    expected = "a number of seconds greater than 0, such as 5 or 0.5"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+    return value
+
+
+def quiet_broken_pipe() -> int:
+    """After stdout's reader went away (``geolimit status --json | head -c 10``): point
+    stdout at /dev/null so the interpreter's last flush is silent, and return 141, the
+    status a shell reports for a command ended by SIGPIPE."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is not a file descriptor (tests)
+        pass
+    return 141
