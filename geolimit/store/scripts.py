@@ -2,7 +2,7 @@
 
 Each script is ``common.lua`` (the shared prelude), then ``escrow.lua`` (escrow
 mode's functions) or, for the replication scripts, ``outbox.lua``, then the script's own
-file, loaded once with :mod:`importlib.resources`. Clients run them by SHA
+file (or its files in order, :data:`_PARTS`: ``merge`` is three), loaded once with :mod:`importlib.resources`. Clients run them by SHA
 (``EVALSHA``) and load them once per connection target on ``NOSCRIPT``.
 
 On servers with Redis functions (Redis >= 7), the same scripts also make up one
@@ -57,15 +57,24 @@ _PRELUDE_STATE = {"now_ms_cache": "nil"}
 _PRELUDE_CONSTANTS = frozenset({"tonumber", "ceil", "fmod", "call", "SUB", "MAX_VALUE", "MARGIN", "QUANTA"})
 
 
+#: Scripts kept in several files (each under ~400 lines), joined in this order into one chunk.
+_PARTS = {"merge": ("merge", "merge_paths", "merge_apply")}
+
+
 def _read(name: str) -> bytes:
     return (resources.files("geolimit.store") / "lua" / f"{name}.lua").read_bytes()
+
+
+def _read_script(name: str) -> bytes:
+    """A script's own text: its file, or its parts (:data:`_PARTS`) joined."""
+    return b"\n".join(_read(part) for part in _PARTS.get(name, (name,)))
 
 
 @cache
 def load_script(name: str) -> LuaScript:
     """The script ``geolimit/store/lua/<name>.lua`` with its prelude(s)."""
     preludes = ("common", "policy", "outbox") if name in _OUTBOX_SCRIPTS else ("common", "policy", "escrow")
-    source = b"\n".join([*(_read(p) for p in preludes), _read(name)])
+    source = b"\n".join([*(_read(p) for p in preludes), _read_script(name)])
     function = _function_name(name) if name in LIBRARY_SCRIPTS else None
     return LuaScript(name, source, hashlib.sha1(source).hexdigest().encode(), function)
 
@@ -87,7 +96,7 @@ def _check_prelude_locals(prelude: bytes) -> None:
 
 def _body(name: str) -> str:
     reset = "".join(f"  {var} = {value}\n" for var, value in _PRELUDE_STATE.items())
-    return f"  scripts[{name!r}] = function()\n{reset}{_read(name).decode()}\n  end\n"
+    return f"  scripts[{name!r}] = function()\n{reset}{_read_script(name).decode()}\n  end\n"
 
 
 @cache
