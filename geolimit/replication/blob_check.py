@@ -15,9 +15,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from geolimit.errors import ProtocolError
+from geolimit.replication.msgpack_bounds import unpack_bounded
 
 __all__ = ["MAX_VALUE", "VettedBlob", "vet_blob"]
 
@@ -53,7 +52,11 @@ def vet_blob(
     try:
         # Redis's cmsgpack reads neither bin nor ext: refuse them here, or a blob
         # Python accepts would fail in merge.lua after other blobs were written.
-        t = msgpack.unpackb(blob, raw=True, use_list=True, strict_map_key=False, max_bin_len=0, max_ext_len=0)
+        # A blob is five arrays of strings and integers: no more containers (maps count),
+        # and no string or array over twice what a key or the cells may be (the checks
+        # below then name the fault as merge.lua does; msgpack_bounds).
+        t = unpack_bounded(blob, 5, raw=True, use_list=True, strict_map_key=False, max_bin_len=0, max_ext_len=0,
+                           max_str_len=2 * MAX_SUFFIX, max_array_len=max(8 * max_cells, max_slots))
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         raise _refuse("blob is not msgpack") from exc
     if not isinstance(t, list) or not t or not isinstance(t[0], list):

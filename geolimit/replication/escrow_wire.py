@@ -36,6 +36,7 @@ import msgpack
 
 from geolimit.core.keys import MAX_SUBJECT_BYTES
 from geolimit.errors import ProtocolError
+from geolimit.replication.msgpack_bounds import unpack_bounded
 
 __all__ = ["ESCROW_PATH", "KINDS", "MAX_KEYS", "EscrowMessage", "decode", "encode"]
 
@@ -44,6 +45,8 @@ VERSION = 1
 KINDS = ("push", "pull", "ack", "page")
 #: Keys one message may carry.
 MAX_KEYS = 2000
+#: Arrays and maps in one message: 2 per key, the rules and the holds stay far below (msgpack_bounds).
+MAX_CONTAINERS = 1 << 16
 _MAX_UINT = 2**63 - 1
 
 Cursor = tuple[int, int, int]
@@ -99,7 +102,7 @@ def _name(value: object, what: str) -> str:
 def decode(body: bytes) -> EscrowMessage:
     """Parse and check a message; any defect raises :class:`ProtocolError`."""
     try:
-        raw = msgpack.unpackb(body, raw=False, strict_map_key=False, max_str_len=1 << 16,
+        raw = unpack_bounded(body, MAX_CONTAINERS, raw=False, strict_map_key=False, max_str_len=1 << 16,
                               max_bin_len=MAX_SUBJECT_BYTES + 200, max_array_len=1 << 16, max_map_len=64,
                               max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types

@@ -30,6 +30,7 @@ from typing import Any
 import msgpack
 
 from geolimit.errors import ProtocolError
+from geolimit.replication.msgpack_bounds import unpack_bounded
 
 __all__ = ["KINDS", "Blob", "Cell6", "Message", "decode", "encode"]
 
@@ -37,6 +38,9 @@ VERSION = 3
 KINDS = ("delta", "ae", "ack")
 MAX_UINT = 2**63 - 1
 MAX_BLOBS = 4096
+#: Arrays and maps in one envelope: a message of MAX_BLOBS blobs, or an anti-entropy
+#: step of 2048 entries, holds a few thousand (see msgpack_bounds).
+MAX_CONTAINERS = 1 << 16
 #: (rule, subject, bucket, slot id, value, floor)
 Cell6 = tuple[str, bytes, int, str, int, int]
 #: (shard, msgpack blob of cells)
@@ -115,8 +119,9 @@ def decode(body: bytes, max_blob_bytes: int = 1 << 24) -> Message:
 def _unpack(body: bytes, max_blob_bytes: int) -> dict[Any, Any]:
     """The body as a map of this protocol version, each msgpack object within size limits."""
     try:
-        raw = msgpack.unpackb(
+        raw = unpack_bounded(
             body,
+            MAX_CONTAINERS,
             raw=False,
             strict_map_key=False,
             max_str_len=1 << 16,

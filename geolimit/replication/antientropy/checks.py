@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import msgpack
-
 from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout
 from geolimit.core.rule import Rule
 from geolimit.errors import ProtocolError
@@ -19,6 +17,7 @@ from geolimit.replication.antientropy.common import (
     MAX_VALUE,
     Blob,
 )
+from geolimit.replication.msgpack_bounds import unpack_bounded
 
 # -- validation ----------------------------------------------------------------
 
@@ -94,8 +93,8 @@ def check_blob(blob: bytes, shard: int, layout: KeyLayout, rules: Mapping[str, R
     if type(blob) is not bytes or len(blob) > MAX_BLOB_BYTES:
         raise ProtocolError(f"anti-entropy: blob must be at most {MAX_BLOB_BYTES} bytes")
     try:
-        obj = msgpack.unpackb(
-            blob, raw=True, use_list=True, max_str_len=MAX_BLOB_BYTES, max_bin_len=0,
+        obj = unpack_bounded(  # five arrays: [slots, keys, counts, cells]
+            blob, 5, raw=True, use_list=True, max_str_len=MAX_BLOB_BYTES, max_bin_len=0,
             max_array_len=4 * MAX_BLOB_CELLS, max_map_len=0, max_ext_len=0,
         )
     except Exception as exc:
