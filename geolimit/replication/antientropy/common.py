@@ -294,11 +294,18 @@ def _node_sums(d: _Digests, leaves: int, per_shard: int, nodes: Sequence[int]) -
     span = leaves // per_shard
     if span == 1:
         return [d.digests[g] for g in nodes], [d.counts[g] for g in nodes]
+    # Each node is summed once a request, however often it is named (2048 copies of
+    # node 0 over 4096 leaves each took 160 ms): the distinct nodes of a level cover
+    # each leaf once, so a request costs at most one pass over the leaves.
     ds: list[int] = []
     cs: list[int] = []
+    known: dict[int, tuple[int, int]] = {}
     for g in nodes:
-        shard, i = divmod(g, per_shard)
-        a = shard * leaves + i * span
-        ds.append(sum(d.digests[a : a + span]) & MASK)
-        cs.append(sum(d.counts[a : a + span]))
+        sums = known.get(g)
+        if sums is None:
+            shard, i = divmod(g, per_shard)
+            a = shard * leaves + i * span
+            sums = known[g] = (sum(d.digests[a : a + span]) & MASK, sum(d.counts[a : a + span]))
+        ds.append(sums[0])
+        cs.append(sums[1])
     return ds, cs
