@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -18,7 +19,22 @@ import aiohttp
 from geolimit.core.decision import Decision, RuleDecision, combine
 from geolimit.errors import StorageError, UnknownRuleError
 
-__all__ = ["AgentClient"]
+__all__ = ["AgentClient", "AgentRules"]
+
+
+@dataclass(frozen=True)
+class AgentRules:
+    """What an agent decides: its rules' names, and its multi-rate ``[[rule]]`` tables (a table's name
+    stands for its rules: ``api`` -> ``("api.1h", "api.1m")``)."""
+
+    names: frozenset[str]
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
+
+    def expand(self, name: str) -> tuple[str, ...] | None:
+        """The rules ``name`` stands for at the agent (None: it knows no such rule or table)."""
+        if name in self.names:
+            return (name,)
+        return self.groups.get(name)
 
 
 class AgentClient:
@@ -63,6 +79,19 @@ class AgentClient:
         if status != 200:
             raise StorageError(f"agent {self.url} answered HTTP {status}: {payload}")
         return _decision(payload)
+
+    async def rules(self) -> AgentRules:
+        """The agent's rules and multi-rate tables (``GET /v1/status``); StorageError when it cannot be asked."""
+        try:
+            async with self._client().get(self.url + "/v1/status", headers=self._headers) as resp:
+                payload = await resp.json(content_type=None)
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            raise StorageError(f"agent {self.url} unreachable: {type(exc).__name__}: {exc}") from exc
+        if status != 200 or not isinstance(payload, dict) or not isinstance(payload.get("rules"), dict):
+            raise StorageError(f"agent {self.url} answered /v1/status with HTTP {status}: {str(payload)[:200]}")
+        groups = payload.get("rule_groups") or {}  # absent: an agent that takes no table names
+        return AgentRules(frozenset(payload["rules"]), {str(k): tuple(v) for k, v in dict(groups).items()})
 
     async def close(self) -> None:
         if self._session is not None:

@@ -15,7 +15,8 @@ peeked, and consumed only if all allow; a concurrent request can slip between
 the peek and the hits, and then a denied request may still consume the groups
 decided before the race showed. A rule the decider cannot decide (one the agent
 does not know) fails on its own, by its ``on_error``; its group-mates are then
-decided without it.
+decided without it. A name the decider decides as several rules (an agent's
+multi-rate table ``api``: ``api.1h`` and ``api.1m``) shows all of them.
 
 A *shadow* limit never denies and never shows in the response headers: it is
 decided after the enforced limits, and counts the requests they admit (what it
@@ -179,6 +180,22 @@ def _split_misconfigured(groups: list[list[_Planned]],
     return split if changed else None
 
 
+def _attribute(group: Sequence[_Planned], results: Sequence[RuleDecision]) -> list[tuple[RuleDecision, ...]] | None:
+    """Each limit's results: one each, in order; or, when the decider decided a name as several rules (an
+    agent's multi-rate ``[[rule]]`` table ``api`` as ``api.1h`` and ``api.1m``), the results named after it
+    (``api`` or ``api.<window>``); None when that does not account for every result exactly once."""
+    if len(results) == len(group):
+        return [(r,) for r in results]
+    out: list[tuple[RuleDecision, ...]] = []
+    for p in group:
+        name = p.limit.rule
+        mine = tuple(r for r in results if r.rule == name or r.rule.startswith(name + "."))
+        if not mine:
+            return None
+        out.append(mine)
+    return out if sum(len(m) for m in out) == len(results) else None
+
+
 class Guard:
     """Decides requests against route policies."""
 
@@ -326,18 +343,13 @@ class Guard:
                 verdict: Verdict) -> list[tuple[RuleDecision, QuotaUnit]]:
         shown: list[tuple[RuleDecision, QuotaUnit]] = []
         for group, outcome in zip(groups, decided, strict=True):
-            if isinstance(outcome, StorageError):
-                for p in group:
-                    self._storage_failed(p.limit, outcome)
-                    verdict.failed.append(p.limit.rule)
-                    self._count(p.limit.rule, f"error_{p.limit.on_error}")
-                    if p.limit.on_error == "deny":
-                        verdict.allowed = False
-                        verdict.denied_by.append(p.limit.rule)
+            per = None if isinstance(outcome, StorageError) else self._per_limit(group, outcome)
+            if per is None:
+                self._failed(group, outcome, verdict, enforced=True)
                 continue
-            for p, result in zip(group, outcome.results, strict=True):
-                shown.append((result, p.unit))
-                if result.allowed:
+            for p, results in zip(group, per, strict=True):
+                shown += [(result, p.unit) for result in results]
+                if all(r.allowed for r in results):
                     self._count(p.limit.rule, "allowed")
                 else:
                     verdict.allowed = False
@@ -345,19 +357,41 @@ class Guard:
                     self._count(p.limit.rule, "denied")
         return shown
 
+    def _failed(self, group: Sequence[_Planned], outcome: Decision | StorageError, verdict: Verdict,
+                enforced: bool) -> None:
+        """The limits of a group that could not be decided: each by its on_error (shadow limits never deny)."""
+        failure = outcome if isinstance(outcome, StorageError) else StorageError("results that cannot be told apart")
+        for p in group:
+            self._storage_failed(p.limit, failure)
+            verdict.failed.append(p.limit.rule)
+            self._count(p.limit.rule, f"error_{p.limit.on_error}")
+            if enforced and p.limit.on_error == "deny":
+                verdict.allowed = False
+                verdict.denied_by.append(p.limit.rule)
+
+    def _per_limit(self, group: Sequence[_Planned], decision: Decision) -> list[tuple[RuleDecision, ...]] | None:
+        """Each limit's results; None (logged) when the decider's results cannot be told apart."""
+        per = _attribute(group, decision.results)
+        if per is None:
+            now = time.monotonic()
+            if now - self._last_error_log > 10.0:
+                self._last_error_log = now
+                log.error("rule(s) %s were decided as %s: cannot tell whose result is whose; they fail by "
+                          "their on_error", ", ".join(p.limit.rule for p in group),
+                          ", ".join(r.rule for r in decision.results))
+        return per
+
     async def _shadow(self, groups: list[list[_Planned]], verdict: Verdict, request: RequestInfo) -> Decision | None:
         """Count an admitted request against the shadow limits; they never deny."""
         results: list[RuleDecision] = []
         for group, outcome in zip(groups, await self._decide(groups, self.decider.hit), strict=True):
-            if isinstance(outcome, StorageError):
-                for p in group:
-                    self._storage_failed(p.limit, outcome)
-                    verdict.failed.append(p.limit.rule)
-                    self._count(p.limit.rule, f"error_{p.limit.on_error}")
+            per = None if isinstance(outcome, StorageError) else self._per_limit(group, outcome)
+            if per is None:
+                self._failed(group, outcome, verdict, enforced=False)
                 continue
-            for p, result in zip(group, outcome.results, strict=True):
-                results.append(result)
-                if result.allowed:
+            for p, mine in zip(group, per, strict=True):
+                results += mine
+                if all(r.allowed for r in mine):
                     self._count(p.limit.rule, "allowed")
                 else:
                     verdict.shadow_denied.append(p.limit.rule)

@@ -15,7 +15,9 @@
   A byte quota (cost ``body``) sends ``qu="content-bytes"``. Other costs (a
   ``header:NAME`` cost) count the rule's own units.
 * ``Retry-After`` (delay-seconds, rounded up) on denials: the end of every
-  effective window it comes with.
+  effective window it comes with. A request that can never be admitted (its
+  cost is above a rule's limit) gets none: waiting would not help, and the
+  problem document says so (``retry_after`` is ``null``).
 * Optionally the de-facto ``X-RateLimit-Limit``, ``-Remaining`` (``q`` and ``r``
   of the binding rule) and ``-Reset`` (seconds until its window is empty).
 * Problem documents (RFC 9457): a denial is the draft's ``quota-exceeded``
@@ -139,12 +141,12 @@ def _policy(rule: str, quota: int, content_bytes: bool, window: float) -> str:
     return item
 
 
-def _retry_after(decision: Decision) -> int:
+def _retry_after(decision: Decision) -> int | None:
+    """Retry-After of a denial; None when no wait helps (a cost above a rule's limit never fits)."""
     retry = decision.retry_after
     if math.isfinite(retry):
         return max(1, _ceil(retry))
-    # A cost above the limit never fits: no useful wait; advertise the window.
-    return max(1, _ceil(max((r.window for r in decision.results), default=1)))
+    return None
 
 
 def rate_limit_headers(
@@ -164,7 +166,7 @@ def rate_limit_headers(
         k = unit.per_request
         return [("RateLimit-Policy", _policy(result.rule, result.limit // k, unit.content_bytes, result.window)),
                 ("RateLimit", f"{_name(result.rule)};r={result.remaining // k};t={_floor(result.stable_for)}")]
-    retry = None if decision.allowed else _retry_after(decision)
+    retry = None if decision.allowed else _retry_after(decision)  # None too when the request can never pass
     shown = [_Shown(r, units[i] if units is not None else _REQUEST, retry) for i, r in enumerate(results)]
     headers = [
         ("RateLimit-Policy", ", ".join([s.policy() for s in shown])),
@@ -216,13 +218,14 @@ def problem_body(decision: Decision, instance: str | None = None) -> bytes:
 
     ``instance`` is the request path. The extension members ``rule``, ``limit``,
     ``remaining`` and ``retry_after`` (seconds; ``null`` when the cost can never
-    fit) describe the binding rule.
+    fit, and the response then has no ``Retry-After``) describe the binding rule.
     """
     retry = decision.retry_after
     window = _ceil(max((r.window for r in decision.results), default=0))
     detail = (
         f"rate limit {decision.rule!r} exceeded: {decision.limit} per {window} s" if math.isfinite(retry)
-        else f"the request costs more than rule {decision.rule!r} allows in a whole window"
+        else f"the request costs more than rule {decision.rule!r} allows in a whole window: it can never be "
+             f"admitted, and retrying will not help"
     )
     violated = [r.rule for r in decision.results if not r.allowed] or [decision.rule]
     return problem_document(

@@ -3,13 +3,15 @@
 Requests are matched against the ``[[route]]`` tables (first match wins); the
 route's limits are decided with the region's global view (library mode: one Lua
 call per limit in the region's Redis; agent mode: ``POST /v1/check`` to the
-region's agent), and the request goes to an upstream only if every enforced
-limit allows it. Unmatched paths and routes without limits are forwarded
+region's agent, whose rules the routes are checked against at start:
+geolimit/proxy/agent_rules.py), and the request goes to an upstream only if every
+enforced limit allows it. Unmatched paths and routes without limits are forwarded
 unlimited. The file format is in :mod:`geolimit.proxy.config`.
 
 Behaviour:
 
-* **Denials**: 429 with ``Retry-After``, ``RateLimit-Policy`` and ``RateLimit``
+* **Denials**: 429 with ``Retry-After`` (none when the request can never pass: its
+  cost is above a limit), ``RateLimit-Policy`` and ``RateLimit``
   (IETF httpapi ratelimit-headers, Structured Fields), optionally
   ``X-RateLimit-*``, and an ``application/problem+json`` body. Allowed responses
   carry the same informational headers. A shadow limit counts, logs and reports
@@ -18,7 +20,8 @@ Behaviour:
   problem+json with ``Retry-After: 1``), with a metric and a log line.
 * **Errors** are problem+json: 400 unreadable cost header (nothing is consumed),
   413 body over ``max_body``, 502 upstream unreachable or broken, 504 upstream
-  timeout. An upstream failure after the response started aborts the client's
+  timeout (an admitted request's 413, 502 and 504 keep its ``RateLimit`` fields:
+  it consumed quota). An upstream failure after the response started aborts the client's
   connection. A client that goes away cancels its upstream exchange.
 * **Streaming**: bodies stream both ways with bounded buffers (any size; only
   request and response bodies of at most 64 KiB with a known length are read

@@ -26,7 +26,8 @@ A complete file (every key; only ``[proxy] upstreams``, one of ``redis_url`` /
     workers = 1                           # processes sharing the ports (SO_REUSEPORT); > 1 needs fixed
                                           # ports; --workers overrides it (default 1)
 
-    [[rule]]                              # library mode only (agent mode: the agent's rules)
+    [[rule]]                              # library mode only (agent mode: the agent's rules, which the
+                                          # routes are checked against at start: geolimit/proxy/agent_rules.py)
     name = "api"
     limit = "5/10s"                       # several rates make several rules: "10/hour;5/minute" gives
                                           # api.1h and api.1m, and a limit naming "api" applies both

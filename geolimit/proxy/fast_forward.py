@@ -191,7 +191,7 @@ class FastForwarder:
                     self._count_unreachable(up, exc, retrying)
                     if retrying:
                         break
-                    return client.send_local(self._unreachable(exc, req), req)
+                    return client.send_local(self._unreachable(exc, req, extra), req)
                 loop = asyncio.get_running_loop()
                 started = loop.time()
                 try:
@@ -205,7 +205,7 @@ class FastForwarder:
                     if stale and not fresh:
                         fresh = True
                         continue
-                    return client.send_local(self._failed(up, exc, req, config.timeout), req)
+                    return client.send_local(self._failed(up, exc, req, config.timeout, extra), req)
                 self.metrics.upstream_latency(up.base, loop.time() - started)
                 return await self._relay(client, conn, head, req, extra, up, config.timeout)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -228,7 +228,7 @@ class FastForwarder:
                     conn.abort()
                     raise
                 except (asyncio.TimeoutError, _WireError, OSError) as exc:
-                    return client.send_local(self._failed(up, exc, req, timeout), req)
+                    return client.send_local(self._failed(up, exc, req, timeout, extra), req)
             client.write(first + (b"" if empty else body), close)
             return status
         client.write(first, False)
@@ -258,17 +258,19 @@ class FastForwarder:
                     "; trying the next upstream" if retrying else "")
 
     @staticmethod
-    def _unreachable(exc: BaseException, req: FastRequest) -> Local:
+    def _unreachable(exc: BaseException, req: FastRequest, extra: list[tuple[str, str]]) -> Local:
+        """504 or 502, with ``extra``: the admitted request's rate limit fields (it consumed quota)."""
         if isinstance(exc, asyncio.TimeoutError):
-            return local_problem(504, "Gateway Timeout", "connecting to the upstream timed out", req.path)
-        return local_problem(502, "Bad Gateway", "the upstream is unreachable", req.path)
+            return local_problem(504, "Gateway Timeout", "connecting to the upstream timed out", req.path, extra)
+        return local_problem(502, "Bad Gateway", "the upstream is unreachable", req.path, extra)
 
-    def _failed(self, up: Upstream, exc: BaseException, req: FastRequest, timeout: float) -> Local:
-        """The exchange failed before the response could be sent."""
+    def _failed(self, up: Upstream, exc: BaseException, req: FastRequest, timeout: float,
+                extra: list[tuple[str, str]]) -> Local:
+        """The exchange failed before the response could be sent (``extra``: as for :meth:`_unreachable`)."""
         if isinstance(exc, asyncio.TimeoutError):
             self.metrics.upstream_error(up.base, "timeout")
             log.warning("upstream %s: no response within %.3gs to %s %s", up.base, timeout, req.method, req.path)
-            return local_problem(504, "Gateway Timeout", "the upstream did not answer in time", req.path)
+            return local_problem(504, "Gateway Timeout", "the upstream did not answer in time", req.path, extra)
         self.metrics.upstream_error(up.base, "protocol")
         log.warning("upstream %s: %s %s failed: %s: %.200s", up.base, req.method, req.path, type(exc).__name__, exc)
-        return local_problem(502, "Bad Gateway", "the upstream failed to answer", req.path)
+        return local_problem(502, "Bad Gateway", "the upstream failed to answer", req.path, extra)

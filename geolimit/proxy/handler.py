@@ -125,7 +125,7 @@ class Forwarder:
         """Send the request upstream (the next in turn; others if connecting fails) and relay the answer."""
         target = _origin_form(request.raw_path)
         if target is None:
-            return problem(400, "Bad Request", "the request target must be a path", "/")
+            return problem(400, "Bad Request", "the request target must be a path", "/", extra)
         failure: list[str] = []
         try:
             data = await self._request_body(request, state.config.max_body, failure)
@@ -144,9 +144,9 @@ class Forwarder:
                 self._count_unreachable(up, exc, retrying)
                 if retrying:
                     continue
-                return self._unreachable(request, exc)
+                return self._unreachable(request, exc, extra)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                return self._failed(request, up, exc, failure, state.config)
+                return self._failed(request, up, exc, failure, state.config, extra)
             try:
                 return await self._relay(request, upstream, extra, up, state.config)
             finally:
@@ -199,19 +199,21 @@ class Forwarder:
         log.warning("upstream %s: cannot connect: %.200s%s", up.base, exc,
                     "; trying the next upstream" if retrying else "")
 
-    def _unreachable(self, request: web.BaseRequest, exc: Exception) -> web.StreamResponse:
-        """The answer when no upstream could be connected to: 504 on a timeout, else 502."""
+    def _unreachable(self, request: web.BaseRequest, exc: Exception,
+                     extra: Iterable[tuple[str, str]]) -> web.StreamResponse:
+        """The answer when no upstream could be connected to: 504 on a timeout, else 502 (with ``extra``, the
+        admitted request's rate limit fields: it consumed quota all the same)."""
         if isinstance(exc, aiohttp.ConnectionTimeoutError):
             return self._unread(request, problem(
-                504, "Gateway Timeout", "connecting to the upstream timed out", request.path))
-        return self._unread(request, problem(502, "Bad Gateway", "the upstream is unreachable", request.path))
+                504, "Gateway Timeout", "connecting to the upstream timed out", request.path, extra))
+        return self._unread(request, problem(502, "Bad Gateway", "the upstream is unreachable", request.path, extra))
 
     def _failed(self, request: web.BaseRequest, up: Upstream, exc: BaseException, failure: list[str],
-                config: ProxyConfig) -> web.StreamResponse:
-        """The exchange failed before the response headers arrived."""
+                config: ProxyConfig, extra: Iterable[tuple[str, str]]) -> web.StreamResponse:
+        """The exchange failed before the response headers arrived (``extra``: as for :meth:`_unreachable`)."""
         if "too_large" in failure:
             return self._unread(request, problem(
-                413, "Content Too Large", f"the body exceeds {config.max_body} bytes", request.path))
+                413, "Content Too Large", f"the body exceeds {config.max_body} bytes", request.path, extra))
         if "client" in failure:
             return self._client_gone(request, "while sending its body")
         if isinstance(exc, asyncio.TimeoutError):
@@ -219,11 +221,12 @@ class Forwarder:
             log.warning("upstream %s: no response within %.3gs to %s %s", up.base, config.timeout,
                         request.method, request.path)
             return self._unread(request, problem(
-                504, "Gateway Timeout", "the upstream did not answer in time", request.path))
+                504, "Gateway Timeout", "the upstream did not answer in time", request.path, extra))
         self.metrics.upstream_error(up.base, "protocol")
         log.warning("upstream %s: %s %s failed: %s: %.200s", up.base, request.method, request.path,
                     type(exc).__name__, exc)
-        return self._unread(request, problem(502, "Bad Gateway", "the upstream failed to answer", request.path))
+        return self._unread(request, problem(502, "Bad Gateway", "the upstream failed to answer", request.path,
+                                             extra))
 
     @staticmethod
     def _client_gone(request: web.BaseRequest, when: str) -> web.StreamResponse:
@@ -245,7 +248,7 @@ class Forwarder:
             try:
                 body = await upstream.read()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                return self._failed(request, up, exc, [], config)
+                return self._failed(request, up, exc, [], config, extra)
             try:
                 await resp.prepare(request)
                 await resp.write_eof(body)

@@ -29,10 +29,11 @@ from aiohttp.http import SERVER_SOFTWARE
 
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.errors import ConfigError, GeolimitError, StorageError
-from geolimit.http.agent_client import AgentClient
+from geolimit.http.agent_client import AgentClient, AgentRules
 from geolimit.http.guard import Guard
 from geolimit.http.keys import trusted_networks
 from geolimit.http.listener import bind_sockets, listen
+from geolimit.proxy.agent_rules import RETRY_INTERVAL, resolve_routes
 from geolimit.proxy.config import ProxyConfig
 from geolimit.proxy.decider import ProxyDecider
 from geolimit.proxy.fast_forward import FastForwarder
@@ -81,14 +82,17 @@ class Proxy:
         self._fast: FastServer | None = None
         self._addresses: list[tuple[str, int]] = []
         self._ready = False
+        self._agent_rules: AgentRules | None = None  # agent mode: what the agent decides, once it answered
+        self._learning: asyncio.Task[None] | None = None  # agent mode: asking an agent that did not answer
 
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> None:
         """Connect the decider and bind the listener(s).
 
-        A rule whose window disagrees with the region's Redis is a ConfigError; an
-        unreachable Redis or agent is not (the limits fail open or closed).
+        A rule whose window disagrees with the region's Redis, or (agent mode) a limit
+        naming a rule the agent does not decide, is a ConfigError; an unreachable Redis
+        or agent is not (the limits fail open or closed; geolimit/proxy/agent_rules.py).
         """
         cfg = self.config
         if cfg.redis_url is not None:
@@ -112,6 +116,11 @@ class Proxy:
         else:
             assert cfg.agent_url is not None
             self.decider = ProxyDecider(AgentClient(cfg.agent_url, cfg.agent_token, cfg.decision_timeout))
+            try:
+                self.config = cfg = await self._agent_routes(cfg)
+            except ConfigError:
+                await self._close()
+                raise
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=10),
             cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to another
@@ -175,6 +184,10 @@ class Proxy:
 
     async def _close(self) -> None:
         self._ready = False
+        learning, self._learning = self._learning, None
+        if learning is not None:
+            learning.cancel()
+            await asyncio.gather(learning, return_exceptions=True)
         await self.metrics.stop()
         fast, self._fast = self._fast, None
         if fast is not None:  # with the aiohttp runner, which has the connections the fast path handed off
@@ -217,6 +230,8 @@ class Proxy:
             changed = [r for r in config.rules if known.get(r.name) != r.structure]
             if changed:
                 await inner.verify_rules(changed)
+        else:
+            config = await self._agent_routes(config)
         kept = {f.name: getattr(old, f.name) for f in fields(ProxyConfig) if f.name in _RESTART}
         restart = [name for name, value in kept.items() if getattr(config, name) != value]
         if restart:
@@ -231,6 +246,48 @@ class Proxy:
         summary += [f"~{n}" for n in after if n in before and after[n] != before[n]]
         summary.append(f"{len(config.routes)} routes")
         return " ".join(summary)
+
+    # -- agent mode ---------------------------------------------------------------------
+
+    async def _agent_routes(self, config: ProxyConfig) -> ProxyConfig:
+        """``config`` with its limits checked against the agent's rules (a ConfigError names a route and a
+        rule the agent does not decide) and its multi-rate tables expanded; unchanged while the agent has
+        never answered (asked again in the background)."""
+        try:
+            self._agent_rules = await self._agent().rules()
+        except StorageError as exc:
+            if self._agent_rules is None:
+                log.warning("proxy: cannot ask the agent for its rules now (%s); the routes are checked when it "
+                            "answers, and until then a limit it cannot decide fails by its on_error", exc)
+                if self._learning is None:
+                    self._learning = asyncio.ensure_future(self._learn())
+                return config
+            log.warning("proxy: cannot ask the agent for its rules now (%s); checking the routes against the "
+                        "rules it answered before", exc)
+        return resolve_routes(config, self._agent_rules, strict=True)
+
+    async def _learn(self) -> None:
+        """Ask the agent for its rules until it answers; then check and expand the running routes."""
+        while self._agent_rules is None:
+            await asyncio.sleep(RETRY_INTERVAL)
+            try:
+                rules = await self._agent().rules()
+            except StorageError:
+                continue
+            if self._agent_rules is not None:  # a reload asked first
+                break
+            self._agent_rules = rules
+            log.info("proxy: the agent answered with its rules; checking the routes")
+            self.config = resolve_routes(self.config, rules, strict=False)
+            if self.forwarder is not None and self.decider is not None:
+                self.forwarder.state = _state(self.config, self.decider)
+        self._learning = None
+
+    def _agent(self) -> AgentClient:
+        inner = None if self.decider is None else self.decider.inner
+        if not isinstance(inner, AgentClient):
+            raise GeolimitError("the proxy is not started in agent mode")
+        return inner
 
     # -- admin --------------------------------------------------------------------------
 

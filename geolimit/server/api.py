@@ -7,10 +7,19 @@
     [{"rule": "api", "subject": "a"}, {"rule": "api", "subject": "b"}]   # batch
     {"checks": [ ... ]}                                             # batch, too
 
-``subject_b64`` may replace ``subject`` for binary subjects. A bad body gets 400
+``subject_b64`` may replace ``subject`` for binary subjects. A rule name may be
+that of a ``[[rule]]`` table whose limit holds several rates (``api`` for
+``"10/hour;5/minute"``): it stands for all of its rules (``api.1h``, ``api.1m``),
+decided all-or-nothing, and the answer lists each. A bad body gets 400
 with ``{"error": ..., "field": ...}``; an unknown rule gets 404 and a body over
 1 MiB gets 413. Every check of a request is validated (unknown rules included)
 before any of them runs, so a refused batch consumes nothing.
+
+A decision (one check, not a batch) is answered 200, allowed or not, with the
+IETF ``RateLimit-Policy`` and ``RateLimit`` fields that the proxy and the
+middlewares send (geolimit/http/headers.py; quotas in the rules' own units), and
+``Retry-After`` when it is denied and waiting helps (never when the cost is above
+a limit): an app can copy them to its own answer.
 
 When the config has an API token (``region.api_token_file``), the ``/v1/check``,
 ``/v1/peek``, ``/v1/reset``, ``/v1/usage`` and ``/v1/status`` endpoints require
@@ -27,8 +36,8 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -36,6 +45,7 @@ from aiohttp import web
 from geolimit.core.decision import Decision
 from geolimit.core.keys import MAX_SUBJECT_BYTES
 from geolimit.errors import BadRequest, GeolimitError, RequestError, StorageError, UnknownRuleError
+from geolimit.http.headers import QuotaUnit, rate_limit_headers
 from geolimit.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from geolimit.server.routes_protocol import ApiAgent
 from geolimit.store.protocol import MAX_COST
@@ -173,14 +183,39 @@ def _checks(body: object) -> tuple[list[Check], bool]:
     return [parse_check(body)], False
 
 
-def _known_rules(limiter: AsyncLimiter, checks: Sequence[Check]) -> None:
-    """404 for the first unknown rule, before anything is consumed."""
+def _resolved(limiter: AsyncLimiter, groups: Mapping[str, tuple[str, ...]], checks: Sequence[Check]) -> list[Check]:
+    """The checks with the name of a multi-rate ``[[rule]]`` table (``api`` for ``"10/hour;5/minute"``)
+    replaced by its rules (``api.1h``, ``api.1m``: all-or-nothing, as one list); 404 for the first
+    unknown name, before anything is consumed."""
+    out: list[Check] = []
     for check in checks:
+        names: list[str] = []
         for name in check.names:
+            members: tuple[str, ...] = (name,)
             try:
                 limiter.rule(name)
             except UnknownRuleError as exc:
-                raise BadRequest(str(exc), check.rule_field, status=404) from None
+                members = tuple(groups.get(name, ()))
+                if not members:
+                    raise BadRequest(str(exc), check.rule_field, status=404) from None
+                for member in members:  # a reload in between: the table's rules must all be there
+                    try:
+                        limiter.rule(member)
+                    except UnknownRuleError as gone:
+                        raise BadRequest(str(gone), check.rule_field, status=404) from None
+            for member in members:
+                if member in names:
+                    raise BadRequest(f"rule {member!r} is named twice (directly or by its [[rule]] table)",
+                                     check.rule_field)
+                names.append(member)
+        out.append(check if list(check.names) == names else replace(check, rules=names))
+    return out
+
+
+def _fields(decision: Decision, cost: int) -> list[tuple[str, str]]:
+    """``RateLimit-Policy`` and ``RateLimit`` of a decision (and ``Retry-After`` when it denies and waiting
+    helps), as the proxy and the middlewares send them; quotas count the rules' own units."""
+    return rate_limit_headers(decision, units=(QuotaUnit.of(cost, fixed=False),) * len(decision.results))
 
 
 def _authorized(request: web.Request, token: bytes) -> bool:
@@ -246,7 +281,7 @@ class _ApiHandlers:
     async def _decide(self, request: web.Request, consume: bool) -> web.Response:
         checks, batch = _checks(await _body(request))
         limiter = self.agent.require_limiter()
-        _known_rules(limiter, checks)
+        checks = _resolved(limiter, self.agent.config.rule_groups, checks)
         started = time.perf_counter()
         try:
             if consume:
@@ -257,7 +292,9 @@ class _ApiHandlers:
             raise BadRequest(str(exc), "rule", status=404) from None
         self._observe(decisions, time.perf_counter() - started)
         out = [d.as_dict() for d in decisions]
-        return web.json_response({"results": out} if batch else out[0])
+        if batch:  # decisions for several subjects: the fields of each are in its result
+            return web.json_response({"results": out})
+        return web.json_response(out[0], headers=_fields(decisions[0], checks[0].cost))
 
     def _observe(self, decisions: list[Decision], elapsed: float) -> None:
         metrics = self.agent.metrics
@@ -269,7 +306,7 @@ class _ApiHandlers:
     async def reset(self, request: web.Request) -> web.Response:
         checks, _ = _checks(await _body(request))
         limiter = self.agent.require_limiter()
-        _known_rules(limiter, checks)
+        checks = _resolved(limiter, self.agent.config.rule_groups, checks)
         for c in checks:  # a batch with a refused item resets nothing
             limiter.reset_rules(c.rules)
         for c in checks:
@@ -279,8 +316,10 @@ class _ApiHandlers:
     async def usage(self, request: web.Request) -> web.Response:
         parsed = _usage_check(request.query)
         limiter = self.agent.require_limiter()
-        _known_rules(limiter, [parsed])
-        assert isinstance(parsed.rules, str)
+        parsed = _resolved(limiter, self.agent.config.rule_groups, [parsed])[0]
+        if not isinstance(parsed.rules, str):
+            raise BadRequest(f"rule {request.query['rule']!r} stands for the rules {', '.join(parsed.rules)}: "
+                             "ask for one of them", "rule")
         result = await limiter.usage(parsed.rules, parsed.subject)
         return web.json_response(result.as_dict())
 

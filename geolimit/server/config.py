@@ -45,7 +45,7 @@ from geolimit.toml_config import (
     parse_positive_int,
     parse_redis_url,
     parse_region,
-    parse_rules,
+    parse_rule_groups,
     parse_seconds,
     parse_shards,
     read_secret,
@@ -127,6 +127,9 @@ class AgentConfig:
     log_format: str = "text"
     log_level: str = "INFO"
     path: Path | None = None
+    #: The ``[[rule]]`` tables whose limit holds several rates, by the table's name: ``api`` ->
+    #: ``("api.1h", "api.1m")``. The decision API takes such a name for all of them (all-or-nothing).
+    rule_groups: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
 
 
 def load_config(path: str | os.PathLike[str]) -> AgentConfig:
@@ -152,7 +155,9 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
     peers = parse_peers(gossip, src, name)
     if "rule" not in data and "rls_config" not in region:
         raise ConfigError(f"{src}: missing key rule: define at least one [[rule]] table (name, limit)")
-    rules = parse_rules(data.get("rule", []), src)
+    tables = parse_rule_groups(data.get("rule", []), src)
+    rules = tuple(rule for group in tables.values() for rule in group)
+    groups = {table: tuple(r.name for r in group) for table, group in tables.items() if len(group) > 1}
     opts = _gossip_options(gossip, src, base)
     for i, peer in enumerate(peers):
         if "tls" in opts and not peer.url.lower().startswith("https://"):
@@ -167,7 +172,7 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
             opts["rls_fast_path"] = require(region, "rls_fast_path", bool, src, "region.rls_fast_path")
         rules += rls.rules
     config = AgentConfig(region=name, redis_url=redis_url, listen=listen, secret=secret, peers=peers, rules=rules,
-                         path=path, **opts)
+                         path=path, rule_groups=groups, **opts)
     return with_workers(config, region["workers"], f"{src}: region.workers") if "workers" in region else config
 
 

@@ -7,6 +7,7 @@ not import it (``agent.py`` imports them to build its application).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -22,6 +23,10 @@ class ApiSettings(Protocol):
     @property
     def api_token(self) -> str | None:
         """The bearer token the decision API requires (None: open)."""
+
+    @property
+    def rule_groups(self) -> Mapping[str, tuple[str, ...]]:
+        """Multi-rate ``[[rule]]`` tables: the table's name -> its rules' names."""
 
 
 class ApiAgent(Protocol):

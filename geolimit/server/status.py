@@ -64,5 +64,7 @@ def agent_status(agent: Agent, now: float) -> dict[str, Any]:
         "worker": {"index": agent.worker_index, "workers": agent.config.workers, "shards": len(agent.owned),
                    "pid": os.getpid(), "region_peers": agent.metrics.region_peers()},
         "rules": {r.name: r.describe() for r in agent.config.rules},
+        # [[rule]] tables with several rates: the decision API takes the table's name for all of them.
+        "rule_groups": {name: list(members) for name, members in agent.config.rule_groups.items()},
         "escrow": None if agent.escrow is None or not agent.escrow.rules else agent.escrow.status(),
     }

@@ -19,14 +19,15 @@ from geolimit.server.config import AgentConfig, PeerConfig
 from geolimit.store.embedded import EmbeddedRedis
 from tests.support.regions import dead_url
 
-RULES = (Rule("api", 5, 10, 1), Rule("burst", 2, 10, 1))
+RULES = (Rule("api", 5, 10, 1), Rule("burst", 2, 10, 1), *Rule.parse_many("multi", "4/hour;2/minute"))
 
 
 @pytest.fixture
 async def client(redis_server_factory: Callable[..., EmbeddedRedis]) -> AsyncIterator[AgentClient]:
     server = redis_server_factory()
     agent = Agent(AgentConfig(region="a", redis_url=server.url, listen=("127.0.0.1", 0),
-                              secret=secrets.token_bytes(32), peers=(PeerConfig("b", dead_url()),), rules=RULES),
+                              secret=secrets.token_bytes(32), peers=(PeerConfig("b", dead_url()),), rules=RULES,
+                              rule_groups={"multi": ("multi.1h", "multi.1m")}),
                   clock=ManualClock(1_700_000_000.25))
     await agent.listen()
     made = AgentClient(agent.url)
@@ -67,3 +68,19 @@ async def test_a_rule_the_agent_does_not_know_fails_alone(client: AgentClient) -
     assert [v.allowed for v in verdicts] == [True, True, False], "burst is still enforced"
     assert verdicts[0].failed == ["gone"], "the unknown rule fails open (its on_error) on its own"
     assert verdicts[2].denied_by == ["burst"]
+
+
+async def test_a_guard_shows_every_rule_of_a_table_the_agent_decides_for_one_name(client: AgentClient) -> None:
+    # "multi" is a multi-rate table at the agent: one name, two rules, decided with burst in one call.
+    guard = Guard(ProxyDecider(client), [RoutePolicy(Route("/*"), (LimitSpec("multi"), LimitSpec("burst")))])
+    request = RequestInfo("GET", "/", {}, "192.0.2.3")
+    verdicts = [await guard.check(request) for _ in range(3)]
+    assert [v.allowed for v in verdicts] == [True, True, False]
+    decision = verdicts[2].decision
+    assert decision is not None
+    assert [(r.rule, r.allowed) for r in decision.results] == [
+        ("multi.1h", True), ("multi.1m", False), ("burst", False)]
+    assert verdicts[2].denied_by == ["multi", "burst"]
+    assert [item.split(";")[0] for item in dict(verdicts[2].headers())["RateLimit"].split(", ")] == [
+        '"multi.1h"', '"multi.1m"', '"burst"']
+    assert (await client.peek("multi.1h", "ip=192.0.2.3")).remaining == 2, "the denial consumed nothing"

@@ -67,8 +67,12 @@ def test_retry_after_is_never_earlier_than_any_effective_window() -> None:
     retry_after = int(headers["Retry-After"])
     assert retry_after == 3
     assert all(params["t"] <= retry_after for _, params in sf_list(headers["RateLimit"]))
-    never = combine([result("api", False, 0, retry=float("inf"), window=60.0)])
-    assert fields(never)["Retry-After"] == "60", "a cost above the limit never fits: the window is advertised"
+    never = fields(combine([result("api", False, 0, retry=float("inf"), window=60.0, stable=7.5)]))
+    assert "Retry-After" not in never, "a cost above the limit never fits: no wait would help"
+    assert sf_list(never["RateLimit"]) == [("api", {"r": 0, "t": 7})]
+    # With a rule that a wait would satisfy, the request still can never pass: no Retry-After either.
+    both = fields(combine([result("burst", False, 0, retry=3.0), result("api", False, 0, retry=float("inf"))]))
+    assert "Retry-After" not in both
 
 
 def test_byte_quotas_send_content_bytes_and_fixed_costs_count_requests() -> None:

@@ -1,5 +1,6 @@
 """The proxy to the letter of the ratelimit-headers draft: all-or-nothing routes, multi-rate rules,
-byte quotas, request-counted costs and percent-encoded problem instances (real upstream, real Redis)."""
+byte quotas, request-counted costs, percent-encoded problem instances, the fields on 502/504 answers and
+denials that no wait can lift (real upstream, real Redis)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from typing import Any
 
 import aiohttp
 import http_sfv
+import pytest
 import redis
 
 from geolimit import Limiter, Rule
 from tests.proxy.helpers import StartProxy, Upstream, proxy_config
+from tests.support.regions import dead_url
 
 QUOTA_EXCEEDED = "https://iana.org/assignments/http-problem-types#quota-exceeded"
 
@@ -119,3 +122,49 @@ async def test_problem_instances_are_percent_encoded_uri_references(
     async with session.get(proxy.url + "/metered/%E2%82%AC%25", headers={"X-Cost": "many"}) as resp:
         assert resp.status == 400
         assert (await resp.json(content_type=None))["instance"] == "/metered/%E2%82%AC%25"
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast-path", "aiohttp"])
+async def test_an_admitted_request_the_upstream_fails_still_gets_its_quota_state(
+    fast_path: bool, upstream: Upstream, redis_url: str, redis_client: redis.Redis, start_proxy: StartProxy,
+    session: aiohttp.ClientSession,
+) -> None:
+    # Every upstream down: 502; a silent upstream: 504. The request was admitted and consumed quota either way.
+    down = await start_proxy(proxy_config([dead_url()], redis_url=redis_url, fast_path=fast_path,
+                                          rules=[{"name": "api", "limit": "5/60s"}],
+                                          routes=[{"path": "/*", "limits": [{"rule": "api"}]}]))
+    for remaining in (4, 3):
+        async with session.get(down.url + "/orders") as resp:
+            assert resp.status == 502
+            assert resp.headers["Content-Type"] == "application/problem+json"
+            assert sf_list(resp.headers["RateLimit-Policy"]) == [("api", {"q": 5, "w": 60})]
+            [(name, current)] = sf_list(resp.headers["RateLimit"])
+            assert (name, current["r"]) == ("api", remaining)
+            assert "Retry-After" not in resp.headers, "admitted: there is nothing to wait for"
+    silent = await start_proxy(proxy_config([upstream.url], redis_url=redis_url, fast_path=fast_path, timeout=0.3,
+                                            key_prefix="silent", rules=[{"name": "api", "limit": "5/60s"}],
+                                            routes=[{"path": "/*", "limits": [{"rule": "api"}]}]))
+    async with session.get(silent.url + "/hang") as resp:
+        assert resp.status == 504
+        [(_, current)] = sf_list(resp.headers["RateLimit"])
+        assert current["r"] == 4
+
+
+async def test_a_request_that_can_never_pass_is_denied_without_retry_after(
+    upstream: Upstream, redis_url: str, redis_client: redis.Redis, start_proxy: StartProxy,
+    session: aiohttp.ClientSession,
+) -> None:
+    proxy = await start_proxy(config(upstream, redis_url))
+    async with session.get(proxy.url + "/metered/big", headers={"X-Cost": "11"}) as resp:  # units: 10 a minute
+        assert resp.status == 429
+        assert "Retry-After" not in resp.headers, "waiting never admits a cost above the limit"
+        doc = await resp.json(content_type=None)
+        assert (doc["type"], doc["violated-policies"], doc["retry_after"]) == (QUOTA_EXCEEDED, ["units"], None)
+        assert "can never be admitted" in doc["detail"]
+        [(name, current)] = sf_list(resp.headers["RateLimit"])
+        assert (name, current["r"]) == ("units", 10), "and it consumed nothing"
+    async with session.get(proxy.url + "/metered/big", headers={"X-Cost": "10"}) as resp:
+        assert resp.status == 200, "the whole quota is still there"
+    async with session.get(proxy.url + "/metered/big", headers={"X-Cost": "1"}) as resp:
+        assert resp.status == 429
+        assert int(resp.headers["Retry-After"]) >= 1, "an ordinary denial still says when to come back"
