@@ -38,6 +38,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+from geolimit.store.embedded import lifetime
+
 __all__ = ["Link", "Mesh", "NetnsUnavailable", "Probe", "Reply", "clean_env"]
 
 _LIVE: set[Mesh] = set()
@@ -300,10 +302,11 @@ def _on_sigterm(signum: int, frame: object) -> None:
 def _exit_on_sigterm() -> None:
     """Make SIGTERM act as Ctrl-C (finalizers, atexit) instead of leaving namespaces behind.
 
-    Only when nobody else handles SIGTERM and we are in the main thread.
+    Only when nobody else handles SIGTERM (EmbeddedRedis's stop-then-die handler is replaced:
+    finalizers and atexit stop its servers too) and we are in the main thread.
     """
     with contextlib.suppress(ValueError):  # not the main thread
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        if lifetime.unclaimed(signal.SIGTERM):
             signal.signal(signal.SIGTERM, _on_sigterm)
 
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import ctypes
 import importlib.util
 import ipaddress
 import os
@@ -13,11 +11,9 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from geolimit.errors import ConfigError, StorageError
+from geolimit.store.embedded import lifetime
 
 __all__ = ["HOW_TO_GET_REDIS", "EmbeddedRedis", "PortInUseError", "find_redis_server"]
 
@@ -41,7 +38,6 @@ BUS_PORT_OFFSET = 10000  # cluster bus port = port + 10000 (6.2 has no `cluster-
 _PORT_RANGE = (20000, 30000)  # below Linux's ephemeral range (32768+)
 _PORT_ATTEMPTS = 5
 _RNG = random.Random()  # private: hypothesis reseeds the global `random`
-_LIVE: set[EmbeddedRedis] = set()
 _T = TypeVar("_T")
 
 
@@ -107,37 +103,10 @@ def _pick_port(host: str, cluster: bool) -> int:
     raise StorageError(f"no free TCP port on {host} in range {_PORT_RANGE}")
 
 
-def _pdeathsig_preexec() -> Callable[[], None] | None:
-    """preexec_fn making Linux SIGKILL the child when the parent dies."""
-    if not sys.platform.startswith("linux"):
-        return None
-    if threading.current_thread() is not threading.main_thread():
-        return None  # PDEATHSIG fires when the forking *thread* exits: only use from main
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent, sig = os.getpid(), int(signal.SIGKILL)
-
-    def _preexec() -> None:
-        prctl(1, sig)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # parent died before prctl took effect
-            os._exit(1)
-
-    return _preexec
-
-
 def tail(path: Path, lines: int = 20) -> str:
     with contextlib.suppress(OSError):
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) or "<empty>"
     return f"<could not read {path}>"
-
-
-@atexit.register
-def _stop_all() -> None:
-    for server in list(_LIVE):
-        with contextlib.suppress(Exception):
-            server.stop()
 
 
 def _started(value: _T | None, what: str) -> _T:
@@ -172,7 +141,8 @@ class EmbeddedRedis:
     ``port=None`` picks a free port (retrying on a new one if it is stolen meanwhile).
     Persistence is off (``save ""``, ``appendonly no``); ``data_dir`` defaults to a
     fresh temporary directory that :meth:`stop` removes. The server logs to
-    ``<data_dir>/redis.log``.
+    ``<data_dir>/redis.log``. A server still running when the process exits, also on
+    SIGTERM, is stopped then (see :mod:`geolimit.store.embedded.lifetime`).
     """
 
     def __init__(
@@ -246,13 +216,13 @@ class EmbeddedRedis:
             return self
         self._terminate()  # reap a crashed process, if any
         binary = self._binary or find_redis_server()
-        if self._given_dir is not None:
-            self._given_dir.mkdir(parents=True, exist_ok=True)
-            self._dir = self._given_dir.resolve()
-        elif self._dir is None:
-            self._dir = Path(tempfile.mkdtemp(prefix="geolimit-redis-")).resolve()
-        _LIVE.add(self)
+        lifetime.remember(self)  # before the temp dir exists: a SIGTERM from here on removes it
         try:
+            if self._given_dir is not None:
+                self._given_dir.mkdir(parents=True, exist_ok=True)
+                self._dir = self._given_dir.resolve()
+            elif self._dir is None:
+                self._dir = Path(tempfile.mkdtemp(prefix="geolimit-redis-")).resolve()
             attempts = 1 if self._fixed_port else _PORT_ATTEMPTS
             for _ in range(attempts):
                 port = self._fixed_port or _pick_port(self._host, self._cluster)
@@ -289,7 +259,7 @@ class EmbeddedRedis:
         if self._dir is not None and self._given_dir is None:
             shutil.rmtree(self._dir, ignore_errors=True)
         self._dir, self._port, self._version = None, self._fixed_port, None
-        _LIVE.discard(self)
+        lifetime.forget(self)
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
@@ -319,7 +289,7 @@ class EmbeddedRedis:
                     stderr=subprocess.STDOUT,
                     cwd=self._dir,
                     start_new_session=True,  # own process group: killpg reaches wrapper kids
-                    preexec_fn=_pdeathsig_preexec(),
+                    preexec_fn=lifetime.pdeathsig_preexec(),
                 )
             except OSError as exc:
                 raise StorageError(f"cannot execute redis-server {binary!r}: {exc}") from exc
