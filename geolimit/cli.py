@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("agent", help="run a region's replication agent and HTTP API")
     p.add_argument("--config", required=True, help="region TOML file")
-    p.add_argument("--flush-timeout", type=float, default=2.0, help="seconds to deliver outboxes on SIGTERM")
+    p.add_argument("--flush-timeout", type=cli_args.seconds_within(0), default=2.0,
+                   help="seconds to deliver outboxes on SIGTERM, 0 or more (default: %(default)s)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="worker processes for this region, 1 to 64 (overrides [region] workers; default 1)")
     p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by the supervisor
@@ -335,15 +336,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_cmd_status)
 
     p = sub.add_parser("demo", help="run 3 regions on this machine, partition one, plot the result")
-    p.add_argument("--regions", type=int, default=3, help="how many regions (default: %(default)s)")
-    p.add_argument("--seconds", type=float, default=55.0,
-                   help="seconds of traffic (default: %(default)s; start-up, shutdown and the plot add ~4 s)")
+    # The bounds run_demo checks too (written out: parsing must not import the demo).
+    p.add_argument("--regions", type=cli_args.int_within(2, 8), default=3,
+                   help="how many regions, 2 to 8 (default: %(default)s)")
+    p.add_argument("--seconds", type=cli_args.seconds_within(3), default=55.0,
+                   help="seconds of traffic, 3 or more (default: %(default)s; start-up, shutdown and the plot add ~4 s)")
     p.add_argument("--policy", choices=("local", "share", "closed"), default="share",
                    help="partition policy of the demo rule (default: %(default)s)")
     p.add_argument("--plot", default="geolimit-demo.png", help="PNG written at the end, also after Ctrl-C (default: %(default)s in the current "
                    "directory; '' to skip)")
-    p.add_argument("--latency", type=float, default=0.05,
-                   help="one-way latency between regions, seconds (default: %(default)s)")
+    p.add_argument("--latency", type=cli_args.seconds_within(0, 5), default=0.05,
+                   help="one-way latency between regions, 0 to 5 seconds (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no live table, only the summary")
     p.set_defaults(handler=_cmd_demo)
 
@@ -351,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = p.add_subparsers(dest="bench", metavar="BENCH")
     p = bench.add_parser("accuracy", help="global over-admission against an exact oracle (simulated regions)")
     p.add_argument("--scenario", action="append", help="scenario name (repeatable; default: all)")
-    p.add_argument("--duration", type=float, default=None, help="seconds of simulated traffic (default: 60)")
+    p.add_argument("--duration", type=cli_args.positive_seconds, default=None,
+                   help="seconds of simulated traffic, > 0 (default: each scenario's own, 60-72)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the simulated arrivals (default: each scenario's own, 7); figures vary by seed")
     p.add_argument("--json", default=None, help="also write the figures as JSON here")

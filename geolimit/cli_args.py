@@ -13,7 +13,10 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["CliParser", "cost", "int_at_least", "positive_seconds", "quiet_broken_pipe", "tcp_port"]
+__all__ = [
+    "CliParser", "cost", "int_at_least", "int_within", "positive_seconds", "quiet_broken_pipe", "seconds_within",
+    "tcp_port",
+]
 
 
 class CliParser(argparse.ArgumentParser):
@@ -43,6 +46,19 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def int_within(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An argument type: an integer from ``minimum`` to ``maximum``, both included."""
+
+    def parse(text: str) -> int:
+        expected = f"a whole number from {minimum} to {maximum}"
+        value = _int(text, expected)
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
 def cost(text: str) -> int:
     """An argument type: the cost of a hit, 0 to 2**46 (what the limiter and the agent accept)."""
     from geolimit.store.protocol import MAX_COST
@@ -63,16 +79,32 @@ def tcp_port(text: str) -> int:
     return value
 
 
-def positive_seconds(text: str) -> float:
-    """An argument type: a finite number of seconds greater than 0."""
-    expected = "a number of seconds greater than 0, such as 5 or 0.5"
+def _seconds(text: str, expected: str, accept: Callable[[float], bool]) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(value) and accept(value)):  # nan and inf are never a duration
         raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
     return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argument type: a finite number of seconds greater than 0."""
+    return _seconds(text, "a number of seconds greater than 0, such as 5 or 0.5", lambda value: value > 0)
+
+
+def seconds_within(minimum: float, maximum: float = math.inf) -> Callable[[str], float]:
+    """An argument type: a finite number of seconds from ``minimum`` to ``maximum``, both included."""
+    if math.isfinite(maximum):
+        expected = f"a number of seconds from {minimum:g} to {maximum:g}"
+    else:
+        expected = f"a number of seconds of at least {minimum:g}"
+
+    def parse(text: str) -> float:
+        return _seconds(text, expected, lambda value: minimum <= value <= maximum)
+
+    return parse
 
 
 def quiet_broken_pipe() -> int:

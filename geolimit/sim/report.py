@@ -167,6 +167,9 @@ def run_accuracy_bench(
         print(f"geolimit: unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}",
               file=sys.stderr)
         return 2
+    if duration is not None and not (math.isfinite(duration) and duration > 0):  # nan would never end
+        print(f"geolimit: --duration must be a number of seconds greater than 0, got {duration!r}", file=sys.stderr)
+        return 2
     logging.getLogger("geolimit").setLevel(logging.ERROR)  # partitions log failed sends by design
     started = time.perf_counter()
     with ExitStack() as stack:
