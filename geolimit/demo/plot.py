@@ -15,11 +15,15 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from geolimit.errors import ConfigError
 from geolimit.sim.oracle import Request
 
-__all__ = ["INSTALL_HINT", "PlotData", "require_matplotlib", "write_plot"]
+if TYPE_CHECKING:  # matplotlib is optional: imported only when a plot is drawn
+    from matplotlib.figure import Figure
+
+__all__ = ["INSTALL_HINT", "PlotData", "build_figure", "require_matplotlib", "write_plot"]
 
 INSTALL_HINT = "pip install 'geolimit[demo]'"
 _STEP = 0.1  # seconds between points of the sliding-window curves
@@ -68,6 +72,11 @@ def _sliding(times: list[float], grid: list[float], window: float) -> list[int]:
 
 
 def write_plot(path: str, data: PlotData) -> None:
+    build_figure(data).savefig(path, format="png")
+
+
+def build_figure(data: PlotData) -> Figure:
+    """The figure :func:`write_plot` saves (on an Agg canvas; nothing drawn yet)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -80,7 +89,7 @@ def write_plot(path: str, data: PlotData) -> None:
     fig = Figure(figsize=(11, 7.5), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
-    fig.suptitle(data.title, fontsize=12)
+    fig.suptitle(data.title, fontsize=12, wrap=True)  # wrap: within the figure, however long
 
     stacks = [_sliding(admitted[name], grid, data.window) for name in data.names]
     top.stackplot(grid, *stacks, labels=[f"{n} admitted" for n in data.names], colors=colors, alpha=0.55)
@@ -116,5 +125,5 @@ def write_plot(path: str, data: PlotData) -> None:
     for ax in (top, bottom):
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     if data.footer:
-        top.set_title(data.footer, fontsize=9, color="dimgray")
-    fig.savefig(path, format="png")
+        top.set_title(data.footer, fontsize=9, color="dimgray", wrap=True)
+    return fig
