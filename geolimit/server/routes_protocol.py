@@ -56,6 +56,10 @@ class GossipSettings(Protocol):
     def max_message_bytes(self) -> int:
         """The largest gossip body accepted."""
 
+    @property
+    def timeout(self) -> float:
+        """Seconds a gossip exchange may take (a sender gives up after it)."""
+
 
 class GossipAgent(Protocol):
     """``POST /v1/gossip``: authenticate, merge through the engine, sign the reply."""
