@@ -63,8 +63,8 @@ async def test_agent_serves_check_and_stops_gracefully_on_sigterm(
     assert unknown.code == 2
     assert unknown.stderr.startswith("geolimit: error: agent answered HTTP 404")
     assert "unknown rule 'nope'" in unknown.stderr
-    bad = await cli("check", "--agent", url, "--cost", "-1", "api", "user:42")
-    assert (bad.code, "400" in bad.stderr) == (2, True)
+    bad = await cli("check", "--agent", url, "--cost", "-1", "api", "user:42")  # refused before it is sent
+    assert (bad.code, "--cost" in bad.stderr) == (2, True)
 
     agent.proc.send_signal(signal.SIGTERM)
     assert await agent.wait(timeout=20) == 0
