@@ -15,23 +15,23 @@ from typing import Any
 
 import msgpack
 
-__all__ = ["TooManyContainers", "unpack_bounded"]
+__all__ = ["unpack_bounded"]
 
 
-class TooManyContainers(ValueError):
+class _TooManyContainers(ValueError):
     """More arrays and maps than the caller allows (raised from inside msgpack's decoder)."""
 
 
 def unpack_bounded(data: bytes, max_containers: int, **limits: Any) -> Any:
     """``msgpack.unpackb(data, **limits)``, refusing more than ``max_containers`` arrays
-    and maps in all (:class:`TooManyContainers`; msgpack's own errors pass through)."""
+    and maps in all (:class:`_TooManyContainers`; msgpack's own errors pass through)."""
     count = 0
 
     def counted(obj: Any) -> Any:
         nonlocal count
         count += 1
         if count > max_containers:
-            raise TooManyContainers(f"more than {max_containers} arrays and maps")
+            raise _TooManyContainers(f"more than {max_containers} arrays and maps")
         return obj
 
     return msgpack.unpackb(data, list_hook=counted, object_hook=counted, **limits)
