@@ -103,16 +103,22 @@ class ClockSkewError(AuthenticationError):
 
 
 class TransportError(GeolimitError):
-    """A peer could not be reached or refused a message."""
+    """A peer could not be reached or refused a message. ``status`` is the peer's HTTP
+    answer when it gave one (None: unreachable, timed out, or not HTTP), ``reason`` the
+    ``reason`` of its JSON error body (``"auth"``: it does not accept our signature)."""
+
+    def __init__(self, message: str, status: int | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
 
 
 class PeerRefused(TransportError):
     """The peer received the message and refused its content (HTTP 400): sending
     the same message again would be refused again."""
 
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
+    def __init__(self, message: str, status: int, reason: str | None = None) -> None:
+        super().__init__(message, status, reason)
 
 
 class RateLimited(GeolimitError):

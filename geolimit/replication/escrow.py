@@ -11,11 +11,15 @@ Every round the agent (:meth:`EscrowReplicator.round`):
 4. pushes every key whose replicated fields changed to every peer (``push``,
    acknowledged; a failed push stays queued and is retried with backoff; at most
    :data:`MAX_PENDING` keys wait per peer, the periodic pull repairs the rest);
-5. pulls every peer's whole escrow state at start, after a peer comes back, and
-   every ``pull_interval`` (``pull``: pages of keys from a SCAN cursor).
+5. pulls every peer's whole escrow state at start, after a peer comes back, after
+   refusing its push for a claim about this region's own transfers, and every
+   ``pull_interval`` (``pull``: pages of keys from a SCAN cursor).
 
 Peers' fields are vetted (:func:`~geolimit.store.escrow_fields.vet_fields`)
-before anything is written; a bad message is refused whole.
+before anything is written; a bad message is refused whole. Only this region
+writes its own transfers (``t:<me>:...``, what it gave away): a push claiming more
+than it recorded is refused, and the pull that follows is the repair path, which
+merges them (docs/design.md, escrow mode: own transfers).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from geolimit.core.escrow import plan_round, share
 from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout
 from geolimit.core.rule import Rule
 from geolimit.errors import GeolimitError, ProtocolError
-from geolimit.replication.escrow_io import EscrowStore, Held
+from geolimit.replication.escrow_io import OWN_CLAIM, EscrowStore, Held
 from geolimit.replication.escrow_wire import MAX_KEYS, EscrowMessage
 from geolimit.store.escrow_fields import own_figures, state_of, vet_fields
 
@@ -97,7 +101,8 @@ class EscrowReplicator:
         self.held: int | None = None  # shards whose escrow rules are denied until restored (None: not looked yet)
         self.holds = Held()  # the last round's: held shards, and every shard's hold start (sent with pulls)
         self.stats: dict[str, int] = dict.fromkeys(
-            ("rounds", "keys", "given", "pushed", "merged", "refused", "pulled", "released", "dropped"), 0)
+            ("rounds", "keys", "given", "pushed", "merged", "refused", "pulled", "released", "dropped",
+             "own_refused", "own_relearned"), 0)
 
     @property
     def layout(self) -> KeyLayout:
@@ -234,7 +239,7 @@ class EscrowReplicator:
                 if reply is None:
                     return
                 self.stats["pulled"] += len(reply.keys)
-                await self.merge(reply, None)  # vets the page first
+                await self.merge(reply, None, repair=True)  # vets the page first
                 traced.update(self._traces(reply))
                 known.update(s for s in reply.known if s in held.since)
                 holds = {}  # recorded by the first page
@@ -285,7 +290,13 @@ class EscrowReplicator:
         if message.shards != self.layout.shards:
             raise ProtocolError(f"escrow: peer has {message.shards} shards, this region {self.layout.shards}")
         if message.kind == "push":
-            await self.merge(message, admit)
+            try:
+                await self.merge(message, admit)
+            except ProtocolError as exc:
+                if OWN_CLAIM in str(exc):  # refused; the peer's whole state is the repair path
+                    self.stats["own_refused"] += 1
+                    peer.pull_due = 0.0
+                raise
             reply = self._message("ack", peer.name)
         elif message.kind == "pull":
             if admit is not None:
@@ -300,11 +311,13 @@ class EscrowReplicator:
         peer.last_ok = self.clock()
         return reply
 
-    async def merge(self, message: EscrowMessage, admit: Callable[[], Awaitable[object]] | None) -> int:
-        """Vet every key of ``message``, then merge them (nothing is written if one is bad)."""
+    async def merge(self, message: EscrowMessage, admit: Callable[[], Awaitable[object]] | None, *,
+                    repair: bool = False) -> int:
+        """Vet every key of ``message``, then merge them (nothing is written if one is bad).
+        ``repair``: a page this region pulled, whose claims about its own transfers are merged."""
         accepted = {n for n, s in message.rules.items()
                     if n in self.rules and (self.rules[n].window_us, self.rules[n].resolution_us) == s}
-        by_shard: dict[int, list[tuple[bytes, Rule, list[tuple[bytes, bytes]]]]] = {}
+        by_shard: dict[int, list[tuple[bytes, Rule, int, list[tuple[bytes, bytes]]]]] = {}
         if len(message.keys) > MAX_KEYS:
             raise ProtocolError(f"escrow: more than {MAX_KEYS} keys")
         if len({suffix for suffix, _ in message.keys}) < len(message.keys):
@@ -318,16 +331,22 @@ class EscrowReplicator:
             if rule is None or rule.name not in accepted or not pairs:
                 continue
             by_shard.setdefault(self.layout.shard_of(subject), []).append(
-                (self.layout.data_key(rule.name, subject), rule, pairs))
+                (self.layout.data_key(rule.name, subject), rule, share(rule.limit, self.regions, self.region), pairs))
         now_us = self._now_us()
-        if by_shard:
-            await self.store.check(by_shard, now_us)  # a key grown past what a message carries: refused
+        if by_shard:  # a key grown past what a message carries, a claim about our own transfers: refused
+            await self.store.check(by_shard, now_us, repair=repair)
         if admit is not None:
             await admit()
         if not by_shard:
             return 0
-        changed = await self.store.merge(by_shard, now_us)
+        changed, raised = await self.store.merge(by_shard, now_us, repair=repair)
         self.stats["merged"] += changed
+        if raised:
+            self.stats["own_relearned"] += raised
+            log.warning("region %s: %s holds %d of this region's own escrow transfers above what this Redis "
+                        "recorded (lost writes or an expired key here, or a gift someone forged in this region's "
+                        "name); merged: this region gave them, as far as the others know", self.region,
+                        message.sender, raised)
         return changed
 
     def status(self) -> dict[str, Any]:

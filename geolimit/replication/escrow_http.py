@@ -1,7 +1,9 @@
 """Escrow messages over HTTP: ``POST /v1/escrow``, signed like gossip.
 
 The route checks, in order, as ``/v1/gossip`` does: size (413), authentication
-(401), decoding and every key's fields (400, nothing written), then the replay
+(401), decoding and every key's fields (400, nothing written; ``reason``
+``own_transfer``: a push claiming this region gave more than it recorded,
+``over_limit``: transfers giving it rights above the limit), then the replay
 guard, then Redis (503 when it fails). Responses are signed for the requester
 with the request's sequence number.
 """
@@ -24,6 +26,7 @@ from geolimit.errors import (
 from geolimit.replication import escrow_wire
 from geolimit.replication.auth import SEQ, Signer, Verifier
 from geolimit.replication.escrow import EscrowReplicator
+from geolimit.replication.escrow_io import refusal_reason
 from geolimit.replication.escrow_wire import ESCROW_PATH, EscrowMessage
 from geolimit.replication.refusals import RefusalLog
 from geolimit.replication.transport import (
@@ -124,7 +127,7 @@ def add_escrow_routes(app: web.Application, agent: EscrowAgent) -> None:
         except ProtocolError as exc:
             replicator.stats["refused"] += 1
             refusals.warn("escrow message", auth.sender, exc)
-            return _error(400, "decode", str(exc))
+            return _error(400, refusal_reason(exc), str(exc))
         except StorageError as exc:
             return _error(503, "redis", str(exc))
         payload = escrow_wire.encode(reply)

@@ -3,7 +3,8 @@
 * :meth:`EscrowStore.drain` takes the escrow keys that changed (``escrow_drain.lua``);
 * :meth:`EscrowStore.give` writes an advert and this region's gifts (``escrow_give.lua``);
 * :meth:`EscrowStore.check` and :meth:`EscrowStore.merge` check, then merge, a peer's vetted
-  fields (``escrow_merge.lua``);
+  fields (``escrow_merge.lua``: a push claiming this region gave more than it recorded is
+  refused, a pulled page's such claims are merged and counted);
 * :meth:`EscrowStore.page` reads a page of escrow keys for a peer's pull (SCAN);
 * :meth:`EscrowStore.holds` and :meth:`EscrowStore.release` handle the per-shard hold
   after a new or wiped Redis (registry fields ``xs``: since when, ``xo``: intact);
@@ -27,7 +28,7 @@ from geolimit.store.escrow_fields import replicated
 from geolimit.store.redis_store import describe_error
 from geolimit.store.scripts import load_script
 
-__all__ = ["EscrowStore", "Given", "Held"]
+__all__ = ["OVER_LIMIT", "OWN_CLAIM", "EscrowStore", "Given", "Held", "Items", "refusal_reason"]
 
 _DRAIN = load_script("escrow_drain")
 _GIVE = load_script("escrow_give")
@@ -39,6 +40,18 @@ ADVERT_MARGIN_MS = 1000
 DRAIN_PER_SHARD = 500
 #: Keys a SCAN step looks at for a pull page.
 SCAN_COUNT = 500
+#: In escrow_merge.lua's refusal of a push claiming that this region gave more than it recorded.
+OWN_CLAIM = "writes its own transfers"
+#: In its refusal of transfers that would give this region rights above the limit.
+OVER_LIMIT = "were never made"
+#: Per shard, the keys of a message to merge: (data key, rule, this region's share of its limit, vetted pairs).
+Items = Mapping[int, list[tuple[bytes, Rule, int, list[tuple[bytes, bytes]]]]]
+
+
+def refusal_reason(exc: ProtocolError) -> str:
+    """The ``reason`` of a refused escrow message: ``own_transfer``, ``over_limit`` or ``decode``."""
+    text = str(exc)
+    return "own_transfer" if OWN_CLAIM in text else "over_limit" if OVER_LIMIT in text else "decode"
 
 
 def _raise_refusal(reply: Any) -> None:
@@ -188,35 +201,31 @@ class EscrowStore:
             out.append(Given(key, reply[0] == 2, int(reply[1]), int(reply[2]), _flat(reply[3:])))
         return out
 
-    async def check(
-        self, by_shard: Mapping[int, list[tuple[bytes, Rule, list[tuple[bytes, bytes]]]]], now_us: int | None = None,
-    ) -> None:
+    async def check(self, by_shard: Items, now_us: int | None = None, *, repair: bool = False) -> None:
         """What needs Redis state or its clock (how many fields each key would hold, advert
-        versions), before anything is written: :class:`ProtocolError` naming the reason."""
-        for reply in await self.store.run_many(_MERGE, self._merge_calls(by_shard, now_us, b"0")):
+        versions, this region's own transfers and rights), before anything is written:
+        :class:`ProtocolError` naming the reason. ``repair``: a page this region pulled."""
+        for reply in await self.store.run_many(_MERGE, self._merge_calls(by_shard, now_us, b"0", repair)):
             _raise_refusal(reply)
 
-    async def merge(
-        self, by_shard: Mapping[int, list[tuple[bytes, Rule, list[tuple[bytes, bytes]]]]], now_us: int | None,
-    ) -> int:
-        """Merge vetted and checked fields, one script call per shard; the number of fields that changed."""
-        changed = 0
-        for reply in await self.store.run_many(_MERGE, self._merge_calls(by_shard, now_us, b"1")):
+    async def merge(self, by_shard: Items, now_us: int | None, *, repair: bool = False) -> tuple[int, int]:
+        """Merge vetted and checked fields, one script call per shard: the number of fields
+        that changed, and of this region's own transfers raised (``repair`` only)."""
+        changed = raised = 0
+        for reply in await self.store.run_many(_MERGE, self._merge_calls(by_shard, now_us, b"1", repair)):
             _raise_refusal(reply)  # only a change since the checks can refuse now
-            changed += sum(int(x) for x in reply)
-        return changed
+            changed += sum(int(x) for x in reply[:-1])
+            raised += int(reply[-1])
+        return changed, raised
 
-    def _merge_calls(
-        self, by_shard: Mapping[int, list[tuple[bytes, Rule, list[tuple[bytes, bytes]]]]], now_us: int | None,
-        apply: bytes,
-    ) -> list[list[bytes]]:
+    def _merge_calls(self, by_shard: Items, now_us: int | None, apply: bytes, repair: bool) -> list[list[bytes]]:
         calls = []
         for shard, items in by_shard.items():
-            keys = [self.layout.registry_key(shard), *(key for key, _, _ in items)]
+            keys = [self.layout.registry_key(shard), *(key for key, _, _, _ in items)]
             args = [b"" if now_us is None else b"%d" % now_us, self.region.encode(), self.nonce, apply,
-                    b"%d" % self.advert_ahead_ms]
-            for _, rule, pairs in items:
-                args += [b"%d" % rule.limit, b"%d" % rule.ttl_ms, b"%d" % len(pairs)]
+                    b"%d" % self.advert_ahead_ms, b"pull" if repair else b"push"]
+            for _, rule, share, pairs in items:
+                args += [b"%d" % rule.limit, b"%d" % rule.ttl_ms, b"%d" % share, b"%d" % len(pairs)]
                 for name, value in pairs:
                     args += [name, value]
             calls.append([b"%d" % len(keys), *keys, *args])

@@ -13,7 +13,7 @@ import math
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
-from geolimit.errors import ProtocolError
+from geolimit.errors import AuthenticationError, ClockSkewError, ProtocolError, TransportError
 from geolimit.replication import wire
 from geolimit.replication.peers import EngineSettings, PeerState
 from geolimit.replication.redis_io import MergeResult, ReplicationStore
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 __all__ = ["Receiver"]
 
 log = logging.getLogger("geolimit.gossip")
+
+#: Seconds between two warnings that one peer refuses this region's signature.
+AUTH_WARN_EVERY = 60.0
 
 
 class Receiver:
@@ -121,6 +124,34 @@ class Receiver:
                 "window; replication with it has stopped until the clocks are fixed (NTP)",
                 self.region, peer_name, peer.clock_refusals, offset,
             )
+
+    def note_auth_failure(self, peer: PeerState, exc: BaseException) -> None:
+        """An exchange with ``peer`` failed: if ``peer`` does not accept this region's
+        signature (401 ``auth``: another secret, most likely) or its answer fails ours,
+        count it for ``/v1/status`` and the metrics, and warn, once every
+        :data:`AUTH_WARN_EVERY` seconds per peer, naming the ``secret_file`` setting.
+        Readiness does not change: a region whose peers are out of reach still decides."""
+        if isinstance(exc, TransportError) and exc.status == 401 and exc.reason == "auth":
+            why = str(exc)  # "<peer> answered HTTP 401: bad signature ... (auth)"
+        elif isinstance(exc, AuthenticationError) and not isinstance(exc, ClockSkewError):
+            why = f"{peer.name}'s answer fails this region's signature check: {exc}"
+        else:
+            return
+        now = self.clock()
+        peer.auth_refusals += 1
+        peer.auth_refused = True
+        peer.auth_refused_reason = why[:400]
+        peer.auth_refused_at = now
+        if peer.auth_warned_at is not None and now - peer.auth_warned_at < AUTH_WARN_EVERY:
+            peer.auth_held_back += 1
+            return
+        more = f", {peer.auth_held_back} since the last warning" if peer.auth_held_back else ""
+        peer.auth_warned_at, peer.auth_held_back = now, 0
+        log.warning(
+            "region %s: peer %s refuses this region's signature (%d so far%s): %s. Every region's [region] "
+            "secret_file must hold the same secret; nothing replicates with %s until it does (restart the agent "
+            "whose file changed)", self.region, peer.name, peer.auth_refusals, more, why, peer.name,
+        )
 
     # -- receiving ------------------------------------------------------------
 

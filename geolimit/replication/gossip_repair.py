@@ -119,6 +119,7 @@ class AntiEntropyDriver:
         try:
             result = await self.ae.run(peer.name, engine.settings.ae_settle if periodic else 0.0)
         except (TransportError, ProtocolError, StorageError) as exc:
+            engine.note_auth_failure(peer, exc)
             stats["ae_failed"] += 1
             peer.ae_failures += 1
             peer.ae_last_error = f"{type(exc).__name__}: {exc}"[:300]

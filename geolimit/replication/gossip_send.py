@@ -70,6 +70,8 @@ class Sender(Receiver):
             if total.cells >= limit:
                 break
         peer.cursor = (peer.cursor + 1) % shards
+        if total.keys and not peer.pending:  # the whole outbox is in flight now, its age with it
+            peer.oldest_us = None
         self.stats["unknown_rule"] += total.unknown
         self.stats["bad_values"] += total.bad
         return total
@@ -91,6 +93,9 @@ class Sender(Receiver):
                         peer.unsettled.add(slot)
                         raise
                 peer.last_attempt = sent_at = self.clock()
+                if packed.keys:  # unacknowledged from now on: the peer's lag counts them (PeerState.lag)
+                    peer.flight_since[slot] = packed.queued_us if packed.queued_us is not None \
+                        else int(sent_at * 1_000_000)
                 try:
                     reply = await self.transport.send(peer.name, self.message("delta", peer.name, packed.blobs))
                     self.note_clock_sample(peer, reply.now_us, sent_at, self.clock())
@@ -116,12 +121,16 @@ class Sender(Receiver):
         finally:
             peer.flying.discard(slot)
             peer.flight_keys.pop(slot, None)
+            self._unacknowledged(peer, peer.flight_since.pop(slot, None))  # cancelled mid-flight
 
     async def _conclude(self, peer: PeerState, slot: int, packed: Packed, delivered: bool) -> None:
+        since = peer.flight_since.pop(slot, None)
         if not packed.shards:
             return
+        settled = False
         try:
             await self.store.settle(peer.name, slot, sorted(packed.shards), delivered)
+            settled = True
         except BaseException:
             peer.unsettled.add(slot)  # returned to the outbox by a later round (or a restart)
             raise
@@ -129,9 +138,22 @@ class Sender(Receiver):
             if not delivered:  # back in the outbox (or soon): count them as queued again
                 for shard, keys in packed.shards.items():
                     peer.pending[shard] = peer.pending.get(shard, 0) + keys
+            if not (delivered and settled):  # back in the outbox with their age (settle.lua)
+                self._unacknowledged(peer, since)
+
+    @staticmethod
+    def _unacknowledged(peer: PeerState, since: int | None) -> None:
+        """Changes queued since ``since`` (µs) are in the outbox again, not yet acknowledged."""
+        if since is not None:
+            peer.oldest_us = since if peer.oldest_us is None else min(peer.oldest_us, since)
 
     def _succeeded(self, peer: PeerState, reply: wire.Message) -> None:
         now = self.clock()
+        if peer.auth_refused:
+            log.info("region %s: peer %s accepts this region's signature again", self.region, peer.name)
+            peer.auth_refused = False
+            peer.auth_warned_at = None
+        peer.failing_since = None
         if peer.failures:
             log.info("region %s: peer %s reachable again after %d failures", self.region, peer.name, peer.failures)
             # Exchanges failed while the link was down: that says nothing of the next
@@ -157,6 +179,9 @@ class Sender(Receiver):
     def _failed(self, peer: PeerState, exc: BaseException) -> None:
         if isinstance(exc, ClockSkewError):  # its signed answer's time is outside the auth window
             self.note_clock_refused(peer.name, exc.offset)
+        self.note_auth_failure(peer, exc)
+        if not peer.failures:  # it has acknowledged nothing since (PeerState.lag)
+            peer.failing_since = peer.last_ok if peer.last_ok is not None else peer.last_attempt
         peer.failures += 1
         peer.errors += 1
         peer.last_error = str(exc)[:300]

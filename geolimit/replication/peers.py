@@ -96,6 +96,15 @@ class PeerState:
     refused_offset_at: float | None = None  # when (our clock)
     pending: dict[int, int] = field(default_factory=dict)  # shard -> keys queued in Redis for this peer
     oldest_us: int | None = None  # when the oldest queued change was queued (µs, Redis clock)
+    flight_since: dict[int, int] = field(default_factory=dict)  # in-flight slot -> its oldest change (µs)
+    failing_since: float | None = None  # while failing: its last acknowledgement (or first failed attempt)
+    # Exchanges it answered with 401 "auth" (it does not accept our signature: another secret).
+    auth_refusals: int = 0
+    auth_refused: bool = False  # its latest answer was such a refusal (a success clears it)
+    auth_refused_reason: str | None = None  # what it said
+    auth_refused_at: float | None = None  # when (engine clock)
+    auth_warned_at: float | None = None  # when the last warning about it was logged
+    auth_held_back: int = 0  # refusals since that warning
     flying: set[int] = field(default_factory=set)  # in-flight message slots
     flight_keys: dict[int, int] = field(default_factory=dict)  # in-flight slot -> keys it carries
     unsettled: set[int] = field(default_factory=set)  # slots whose outcome could not be recorded
@@ -139,6 +148,17 @@ class PeerState:
         elif took < settings.send_timeout / 8 and cells * 2 >= current and current < settings.max_cells_per_message:
             grown = 2 * current
             self.message_cells = 0 if grown >= settings.max_cells_per_message else grown
+
+    def lag(self, now: float) -> float:
+        """Seconds this peer is behind (``now``: the engine clock): the age of the oldest change
+        it has not acknowledged, queued in its outbox or in flight (a message to a peer that
+        never answers stays in flight until the timeout), and, while its exchanges fail (any
+        way: refused, unreachable, timed out), at least the time since it acknowledged any."""
+        oldest = min((t for t in (self.oldest_us, *self.flight_since.values()) if t is not None), default=None)
+        lag = 0.0 if oldest is None else now - oldest / 1e6
+        if self.failures and self.failing_since is not None:
+            lag = max(lag, now - self.failing_since)
+        return max(0.0, lag)
 
     @property
     def queued(self) -> int:

@@ -176,6 +176,9 @@ class ReplicationStore:
                 out.shards[shard] = out.shards.get(shard, 0) + int(reply[1])
                 out.keys += int(reply[1])
                 out.cells += int(reply[2])
+                queued = int(reply[6])
+                if queued >= 0 and (out.queued_us is None or queued < out.queued_us):
+                    out.queued_us = queued
         return out
 
     async def settle(self, peer: str, slot: int, shards: Iterable[int], delivered: bool) -> None:

@@ -52,6 +52,7 @@ class Packed:
     left: dict[int, int] = field(default_factory=dict)  # shard -> outbox keys still queued
     unknown: int = 0  # outbox keys of rules this agent does not know (dropped)
     bad: int = 0  # stored values that were not exact integers (skipped)
+    queued_us: int | None = None  # when the oldest change it put in flight was queued (µs, Redis clock)
 
 
 #: The counters of an accepted merge.lua reply, in order (after the leading 1).

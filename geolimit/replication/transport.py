@@ -8,6 +8,7 @@ other transports with the same two methods.
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 from typing import Protocol
 
@@ -57,13 +58,31 @@ async def read_limited(stream: aiohttp.StreamReader, limit: int) -> bytes | None
         chunks.append(chunk)
 
 
+def error_body(payload: bytes) -> tuple[str | None, str]:
+    """A peer's error answer: the ``reason`` of its JSON body (``{"error": ..., "reason":
+    "auth"}``; None if it has none) and what it says (its ``error``, else the first 200 bytes)."""
+    raw = payload[:200].decode("utf-8", "replace")
+    try:
+        body = json.loads(payload[:4096])
+    except ValueError:
+        return None, raw
+    if not isinstance(body, dict):
+        return None, raw
+    reason, error = body.get("reason"), body.get("error")
+    reason = reason[:64] if isinstance(reason, str) else None
+    if not isinstance(error, str):
+        return reason, raw
+    return reason, f"{error[:300]} ({reason})" if reason else error[:300]
+
+
 async def post_signed(
     session: aiohttp.ClientSession, url: str, peer: str, body: bytes, signer: Signer, max_response: int,
     answer: str = "a response", message: str = "the message",
 ) -> tuple[bytes, CIMultiDict[str], int]:
     """POST ``body`` signed for ``peer``: the answer's body and headers and the request's
     sequence number (for ``Verifier.verify_response``). Raises TransportError (unreachable,
-    an answer over ``max_response`` bytes, a status other than 200 and 400) or PeerRefused (400)."""
+    an answer over ``max_response`` bytes, a status other than 200 and 400) or PeerRefused (400),
+    with the peer's status and the ``reason`` of its error body."""
     headers = signer.headers(body, peer)
     headers["Content-Type"] = CONTENT_TYPE
     seq = int(headers[SEQ])
@@ -73,10 +92,10 @@ async def post_signed(
             if payload is None:
                 raise TransportError(f"{peer} sent {answer} over {max_response} bytes")
             if resp.status != 200:
-                detail = payload[:200].decode("utf-8", "replace")
+                reason, detail = error_body(payload)
                 if resp.status == 400:
-                    raise PeerRefused(f"{peer} refused {message}: {detail}", resp.status)
-                raise TransportError(f"{peer} answered HTTP {resp.status}: {detail}")
+                    raise PeerRefused(f"{peer} refused {message}: {detail}", resp.status, reason)
+                raise TransportError(f"{peer} answered HTTP {resp.status}: {detail}", resp.status, reason)
             return payload, CIMultiDict(resp.headers), seq
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         raise TransportError(f"{peer} unreachable: {type(exc).__name__}: {exc}") from exc

@@ -28,6 +28,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 WORKER_GAUGES: dict[str, GaugeMode] = {
     "geolimit_peer_contact_age_seconds": "max", "geolimit_peer_lag_seconds": "max", "geolimit_peer_rtt_seconds": "max",
     "geolimit_peer_clock_offset_seconds": "max", "geolimit_clock_correction_seconds": "max",
+    "geolimit_peer_auth_refused": "max",
 }
 #: Gauges that are seconds since an event: a worker's snapshot is aged by its own age.
 AGE_GAUGES = ("geolimit_peer_contact_age_seconds", "geolimit_peer_lag_seconds")
@@ -54,7 +55,7 @@ class _EngineCollector(Collector):
         now = self._clock()
         age = GaugeMetricFamily("geolimit_peer_contact_age_seconds", "Seconds since the last acknowledged exchange with a peer (-1: never)", labels=["peer"])
         outbox = GaugeMetricFamily("geolimit_outbox_cells", "Keys queued in Redis for a peer (their changed cells wait for its acknowledgement)", labels=["peer"])
-        lag = GaugeMetricFamily("geolimit_peer_lag_seconds", "Age of the oldest unacknowledged change for a peer", labels=["peer"])
+        lag = GaugeMetricFamily("geolimit_peer_lag_seconds", "Age of the oldest change a peer has not acknowledged (queued or in flight); while its exchanges fail, at least the time since it acknowledged any", labels=["peer"])
         rtt = GaugeMetricFamily("geolimit_peer_rtt_seconds", "Smoothed round trip of a gossip message to a peer, its merge included (0: none yet)", labels=["peer"])
         sent = CounterMetricFamily("geolimit_gossip_cells_sent", "Cells acknowledged by a peer", labels=["peer"])
         received = CounterMetricFamily("geolimit_gossip_cells_received", "Cells received from a peer", labels=["peer"])
@@ -62,10 +63,12 @@ class _EngineCollector(Collector):
         ae = CounterMetricFamily("geolimit_anti_entropy_runs_ok", "Completed anti-entropy exchanges", labels=["peer"])
         offset = GaugeMetricFamily("geolimit_peer_clock_offset_seconds", "Estimated clock of a peer minus this region's (seconds)", labels=["peer"])
         refusals = CounterMetricFamily("geolimit_peer_clock_refusals", "Signed messages from a peer refused because their time was outside the auth window", labels=["peer"])
+        auth = CounterMetricFamily("geolimit_peer_auth_refusals", "Exchanges a peer refused for this region's signature (401 auth), or answered unverifiably: another secret_file", labels=["peer"])
+        auth_now = GaugeMetricFamily("geolimit_peer_auth_refused", "1 while a peer's latest answer refused this region's signature (a success clears it)", labels=["peer"])
         for peer in engine.peers.values():
             age.add_metric([peer.name], -1.0 if peer.last_ok is None else now - peer.last_ok)
             outbox.add_metric([peer.name], peer.queued)
-            lag.add_metric([peer.name], 0.0 if peer.oldest_us is None else max(0.0, now - peer.oldest_us / 1e6))
+            lag.add_metric([peer.name], peer.lag(now))
             rtt.add_metric([peer.name], peer.rtt)
             sent.add_metric([peer.name], peer.cells_sent)
             received.add_metric([peer.name], peer.cells_received)
@@ -73,7 +76,9 @@ class _EngineCollector(Collector):
             ae.add_metric([peer.name], peer.ae_ok)
             offset.add_metric([peer.name], peer.skew)
             refusals.add_metric([peer.name], peer.clock_refusals)
-        yield from (age, outbox, lag, rtt, sent, received, errors, ae, offset, refusals)
+            auth.add_metric([peer.name], peer.auth_refusals)
+            auth_now.add_metric([peer.name], 1 if peer.auth_refused else 0)
+        yield from (age, outbox, lag, rtt, sent, received, errors, ae, offset, refusals, auth, auth_now)
         yield GaugeMetricFamily("geolimit_clock_correction_seconds", "Added to this region's clock to agree with the peers' (the mean clock)", value=engine.clock_correction)
         stats = engine.stats
         yield CounterMetricFamily("geolimit_gossip_rounds", "Gossip rounds run", value=stats["rounds"])

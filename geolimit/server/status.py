@@ -16,16 +16,18 @@ def agent_status(agent: Agent, now: float) -> dict[str, Any]:
     engine = agent.engine
     peers: dict[str, Any] = {}
     incarnations: dict[str, int] = {}
+    warnings: list[str] = []  # what an operator must fix; readiness ignores peers (a region decides alone)
     if engine is not None:
         for slot in engine.own_slots.values():
             inc = slot.rpartition("/")[2]
             incarnations[inc] = incarnations.get(inc, 0) + 1
         for peer in engine.peers.values():
-            oldest = peer.oldest_us
             peers[peer.name] = {
                 "last_contact": peer.last_ok,
                 "last_contact_age": None if peer.last_ok is None else round(now - peer.last_ok, 3),
-                "lag": 0.0 if oldest is None else round(max(0.0, now - oldest / 1e6), 3),
+                # The oldest change it has not acknowledged (queued or in flight); while its
+                # exchanges fail, at least the time since it acknowledged any (PeerState.lag).
+                "lag": round(peer.lag(now), 3),
                 "outbox": peer.queued,
                 "in_flight": len(peer.flying),
                 "errors": peer.errors,
@@ -44,7 +46,16 @@ def agent_status(agent: Agent, now: float) -> dict[str, Any]:
                 "refused_clock_offset": None if peer.refused_offset is None else round(peer.refused_offset, 3),
                 "refused_clock_offset_age": None if peer.refused_offset_at is None
                 else round(now - peer.refused_offset_at, 3),
+                # Exchanges it refused (401 "auth") or answered unverifiably: another secret_file.
+                "auth_refusals": peer.auth_refusals,
+                "auth_refused": peer.auth_refused,
+                "auth_refused_reason": peer.auth_refused_reason,
+                "auth_refused_age": None if peer.auth_refused_at is None else round(now - peer.auth_refused_at, 3),
             }
+            if peer.auth_refused:
+                warnings.append(f"peer {peer.name} refuses this region's signature ({peer.auth_refusals} "
+                                f"so far): every region's secret_file must hold the same secret; nothing "
+                                f"replicates with {peer.name} until it does")
     ready, waiting = agent.readiness()
     newest = max(incarnations, default=None)
     return {
@@ -53,6 +64,7 @@ def agent_status(agent: Agent, now: float) -> dict[str, Any]:
         "incarnations": incarnations,
         "ready": ready,
         "waiting_for": waiting,
+        "warnings": warnings,
         "peers": peers,
         # Seconds added to this region's clock for buckets: the regions agree on the mean clock.
         "clock_correction": None if engine is None else round(engine.clock_correction, 4),

@@ -160,8 +160,11 @@ async def test_a_key_may_not_grow_past_the_fields_one_message_can_carry(rs: Regi
     key = _key(rs, "b", b"victim")
     held = sum(1 for f in client.hkeys(key) if f[:2] in (b"t:", b"a:"))
     room = MAX_FIELDS_PER_KEY - held
-    # Gifts both ways under ever other limits: plausible (every region's gifts are funded).
+    # Gifts both ways under ever other limits: plausible (every region's gifts are funded),
+    # and a and c made them (only a region writes its own transfers: see the tests below).
     first = [x for i in range(room) for x in (b"t:%s:%d" % ((b"a:c", b"c:a")[i % 2], i // 2 + 1), b"1")]
+    for writer in ("a", "c"):
+        rs[writer].client().hset(_key(rs, writer, b"victim"), mapping=dict(zip(first[::2], first[1::2], strict=True)))
     status, _ = await _post(rs, _push([(b"login:victim", first)]))
     assert status == 200  # exactly full
     # A second message, itself within every per-message bound, would take the key past

@@ -4,13 +4,15 @@
 -- take); the slot gets one field per call (see outbox.lua).
 -- KEYS: registry
 -- ARGV: now_us|'', peer, w, max_keys, max_cells, nrules, then per rule: name, res_us, N, M
--- Reply: {blob|'', keys, cells, outbox_left, unknown, bad}
+-- Reply: {blob|'', keys, cells, outbox_left, unknown, bad, queued_at}
 --   blob: msgpack [slots, keys, counts, cells]; keys[i] is a data key after
 --   '<tag>:' (rule:subject), counts[i] its number of cells, and cells is flat
 --   bucket, slot_ref (0-based into slots), value, floor, in key order (four
 --   flat lists: cmsgpack builds and reads them much faster than a list per key).
 --   Keys of unknown rules and keys that expired are dropped from the outbox;
 --   stored values that are not exact integers are skipped and counted in bad.
+--   queued_at: when the oldest entry of the outbox this call took from was queued
+--   (µs, the in-flight hash's '@t'), -1 if it moved nothing (the peer's lag counts it).
 local reg = KEYS[1]
 local raw = clock(ARGV[1])  -- this Redis's clock: in-flight times
 local now = raw + correction(reg)  -- the region clock: which buckets are current
@@ -30,7 +32,7 @@ end
 local n = call('HLEN', box)
 if n == 0 then
   call('DEL', since)
-  return {'', 0, 0, 0, 0, 0}
+  return {'', 0, 0, 0, 0, 0, -1}
 end
 local taken, whole = take(box, n, max_keys, raw)
 
@@ -218,5 +220,5 @@ if #rest > 0 then enqueue(box, since, rest, raw) end
 local left = 0
 if not emptied or #rest > 0 then left = call('HLEN', box) end
 if left == 0 then call('DEL', since) end
-if nkeys == 0 then return {'', 0, 0, left, unknown, bad} end
-return {cmsgpack.pack({slots, bkeys, bcounts, cells}), nkeys, ncells, left, unknown, bad}
+if nkeys == 0 then return {'', 0, 0, left, unknown, bad, -1} end
+return {cmsgpack.pack({slots, bkeys, bcounts, cells}), nkeys, ncells, left, unknown, bad, tonumber(queued_at) or -1}
