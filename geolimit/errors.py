@@ -40,6 +40,7 @@ __all__ = [
     "GeolimitError",
     "NetsimError",
     "PeerRefused",
+    "PortInUseError",
     "ProtocolError",
     "RateLimited",
     "RequestError",
@@ -82,6 +83,14 @@ class BadRequest(RequestError):
 
 class StorageError(GeolimitError):
     """Redis could not be reached or answered with an error."""
+
+
+class PortInUseError(StorageError):
+    """An embedded redis-server's fixed ``port`` on ``host`` is held by another process."""
+
+    def __init__(self, message: str, host: str, port: int) -> None:
+        super().__init__(message)
+        self.host, self.port = host, port
 
 
 class ProtocolError(GeolimitError):

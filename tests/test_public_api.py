@@ -46,6 +46,7 @@ ERRORS = [
     "GeolimitError",
     "NetsimError",
     "PeerRefused",
+    "PortInUseError",
     "ProtocolError",
     "RateLimited",
     "RequestError",
@@ -63,6 +64,7 @@ ALSO_IMPORTABLE_FROM = [
     ("geolimit.netsim", "NetsimError"),
     ("geolimit.netsim.link", "NetsimError"),
     ("geolimit.server.api", "BadRequest"),
+    ("geolimit.store.embedded.server", "PortInUseError"),
 ]
 
 

@@ -21,7 +21,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from geolimit.errors import ConfigError, StorageError
+from geolimit.errors import ConfigError, PortInUseError, StorageError
 from geolimit.store.embedded import lifetime
 
 __all__ = ["HOW_TO_GET_REDIS", "EmbeddedRedis", "PortInUseError", "find_redis_server"]
@@ -125,14 +125,6 @@ def cmd(client: redis.Redis, *args: object) -> Any:
 
 class _PortInUse(Exception):
     pass
-
-
-class PortInUseError(StorageError):
-    """The fixed ``port`` on ``host`` is held by another process."""
-
-    def __init__(self, message: str, host: str, port: int) -> None:
-        super().__init__(message)
-        self.host, self.port = host, port
 
 
 class EmbeddedRedis:
