@@ -25,6 +25,7 @@ from geolimit.errors import (
 )
 from geolimit.replication import escrow_wire
 from geolimit.replication.auth import SEQ, Signer, Verifier
+from geolimit.replication.body_guard import BodyGuard
 from geolimit.replication.escrow import EscrowReplicator
 from geolimit.replication.escrow_io import refusal_reason
 from geolimit.replication.escrow_wire import ESCROW_PATH, EscrowMessage
@@ -34,7 +35,6 @@ from geolimit.replication.transport import (
     ClockRefusals,
     clock_refused,
     post_signed,
-    read_limited,
 )
 
 __all__ = ["EscrowHttpTransport", "add_escrow_routes"]
@@ -91,6 +91,10 @@ class EscrowAgent(Protocol):
     @property
     def max_message_bytes(self) -> int: ...
 
+    @property
+    def body_timeout(self) -> float:
+        """Seconds a peer's body may take to arrive (the gossip timeout)."""
+
 
 def _error(status: int, reason: str, message: str) -> web.Response:
     return web.json_response({"error": message, "reason": reason}, status=status)
@@ -98,14 +102,12 @@ def _error(status: int, reason: str, message: str) -> web.Response:
 
 def add_escrow_routes(app: web.Application, agent: EscrowAgent) -> None:
     refusals = RefusalLog(log)
+    bodies = BodyGuard("escrow message", agent.max_message_bytes, lambda: agent.body_timeout, refusals)
 
     async def escrow(request: web.Request) -> web.StreamResponse:
-        cap = agent.max_message_bytes
-        if request.content_length is not None and request.content_length > cap:
-            return _error(413, "too_large", f"escrow body over {cap} bytes")
-        body = await read_limited(request.content, cap)
-        if body is None:
-            return _error(413, "too_large", f"escrow body over {cap} bytes")
+        body = await bodies.read(request)  # within a deadline and a byte budget (body_guard.py)
+        if isinstance(body, web.Response):
+            return body
         try:
             auth = await agent.verifier.authenticate_async(request.headers, body)
         except ClockSkewError as exc:

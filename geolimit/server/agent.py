@@ -193,6 +193,10 @@ class Agent:
     def max_message_bytes(self) -> int:
         return self.config.max_message_bytes
 
+    @property
+    def body_timeout(self) -> float:
+        return self.config.timeout
+
     async def _start_rls(self, address: tuple[str, int]) -> None:
         from geolimit.server.rls.server import RlsServer  # grpcio and xds-protos: the rls extra
 

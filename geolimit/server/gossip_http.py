@@ -8,7 +8,7 @@ Checks run in this order, and a request that fails one never reaches Redis:
    bytes being read at once over all connections (4 messages of the cap: 503
    ``busy`` beyond it, the sender retries), so slow or never-finished bodies
    cannot hold the agent's memory; a peer that drops the connection mid-body is
-   counted, not logged with a traceback;
+   counted, not logged with a traceback (``replication/body_guard.py``);
 2. authentication: unsigned, forged, replayed (the guard is in Redis, so it
    survives restarts), stale or misaddressed messages get 401 (``clock_skew`` when
    a correctly signed message's time is outside the auth window: logged with the
@@ -23,7 +23,6 @@ The response is the engine's reply, signed with the request's sequence number.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from aiohttp import web
@@ -31,8 +30,9 @@ from aiohttp import web
 from geolimit.errors import AuthenticationError, ClockSkewError, ProtocolError, StorageError
 from geolimit.replication import wire
 from geolimit.replication.auth import SEQ
+from geolimit.replication.body_guard import BodyGuard
 from geolimit.replication.refusals import RefusalLog
-from geolimit.replication.transport import CONTENT_TYPE, GOSSIP_PATH, clock_refused, read_limited
+from geolimit.replication.transport import CONTENT_TYPE, GOSSIP_PATH, clock_refused
 from geolimit.server.routes_protocol import GossipAgent
 
 __all__ = ["add_gossip_routes"]
@@ -44,57 +44,16 @@ def _error(status: int, reason: str, message: str) -> web.Response:
     return web.json_response({"error": message, "reason": reason}, status=status)
 
 
-def _closing(status: int, reason: str, message: str) -> web.Response:
-    """An error after which the connection is closed (its body was not read whole)."""
-    response = _error(status, reason, message)
-    response.force_close()
-    return response
-
-
-#: Bytes of gossip bodies being read at once, over all connections, in messages of the cap.
-BODIES_IN_FLIGHT = 4
-
-
 def add_gossip_routes(app: web.Application, agent: GossipAgent) -> None:
-    cap = agent.config.max_message_bytes
     refusals = RefusalLog(log)
-    reading = 0  # bytes reserved by the bodies being read now
-    budget = BODIES_IN_FLIGHT * cap
-
-    async def read_body(request: web.Request) -> bytes | web.Response | None:
-        """The body (None: over the cap), or the answer to give instead of reading it."""
-        nonlocal reading
-        metrics = agent.metrics
-        want = cap if request.content_length is None else request.content_length
-        if reading + want > budget:
-            metrics.rejected.labels("busy").inc()
-            return _closing(503, "busy", f"gossip bodies of {reading} bytes are being read; send again")
-        reading += want
-        try:
-            return await asyncio.wait_for(read_limited(request.content, cap), agent.config.timeout)
-        except asyncio.TimeoutError:
-            metrics.rejected.labels("slow_body").inc()
-            refusals.warn("gossip", request.remote,
-                          ProtocolError(f"body not received within {agent.config.timeout:g} s"))
-            return _closing(408, "slow_body", f"gossip body not received within {agent.config.timeout:g} s")
-        except (ConnectionError, asyncio.IncompleteReadError) as exc:
-            metrics.rejected.labels("disconnected").inc()
-            refusals.warn("gossip", request.remote, ProtocolError(f"connection lost mid-body ({type(exc).__name__})"))
-            return _closing(400, "disconnected", "connection lost mid-body")
-        finally:
-            reading -= want
+    bodies = BodyGuard("gossip", agent.config.max_message_bytes, lambda: agent.config.timeout, refusals,
+                       lambda reason: agent.metrics.rejected.labels(reason).inc())
 
     async def gossip(request: web.Request) -> web.StreamResponse:
         metrics = agent.metrics
-        if request.content_length is not None and request.content_length > cap:
-            metrics.rejected.labels("too_large").inc()
-            return _error(413, "too_large", f"gossip body over {cap} bytes")
-        body = await read_body(request)
+        body = await bodies.read(request)
         if isinstance(body, web.Response):
             return body
-        if body is None:
-            metrics.rejected.labels("too_large").inc()
-            return _error(413, "too_large", f"gossip body over {cap} bytes")
         try:
             auth = await agent.verifier.authenticate_async(request.headers, body)
         except ClockSkewError as exc:

@@ -1,4 +1,4 @@
-"""``POST /v1/gossip`` reads bodies within a deadline and a byte budget, and a peer that
+"""``POST /v1/gossip`` (and ``/v1/escrow``, through the same guard) reads bodies within a deadline and a byte budget, and a peer that
 drops the connection mid-body is counted, not logged with a traceback.
 
 An outsider (no secret needed: the body is read before it is authenticated) held 40
@@ -30,10 +30,11 @@ async def target(redis_server_factory: Factory) -> AsyncIterator[Regions]:
         yield rs
 
 
-async def _open(rs: Regions, declared: int, sent: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _open(rs: Regions, declared: int, sent: int, path: bytes = b"/v1/gossip",
+                ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     host, port = rs.urls["b"].removeprefix("http://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"POST /v1/gossip HTTP/1.1\r\nHost: b\r\nContent-Type: application/msgpack\r\n"
+    writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: b\r\nContent-Type: application/msgpack\r\n"
                  b"Content-Length: %d\r\n\r\n" % declared + b"\0" * sent)
     await writer.drain()
     return reader, writer
@@ -50,12 +51,16 @@ def _rejected(rs: Regions, reason: str) -> float:
     return rs["b"].agent.metrics.rejected.labels(reason)._value.get()  # type: ignore[no-any-return]
 
 
-async def test_a_body_that_never_finishes_gets_408_at_the_deadline_and_the_connection_closes(target: Regions) -> None:
-    reader, writer = await _open(target, 1000, 1)
+@pytest.mark.parametrize("path", [b"/v1/gossip", b"/v1/escrow"])
+async def test_a_body_that_never_finishes_gets_408_at_the_deadline_and_the_connection_closes(
+    target: Regions, path: bytes,
+) -> None:
+    reader, writer = await _open(target, 1000, 1, path)
     status, closed = await _answer(reader)  # within 10 s: the deadline is 0.5 s (it used to wait for ever)
     assert status == b"HTTP/1.1 408 Request Timeout"
     assert closed
-    assert _rejected(target, "slow_body") == 1
+    if path == b"/v1/gossip":
+        assert _rejected(target, "slow_body") == 1
     writer.close()
 
 

@@ -1,0 +1,71 @@
+"""Reading a peer's request body before it can be authenticated, without letting
+anyone who reaches the port hold the agent's memory or its connections.
+
+A body is read within a deadline (the gossip ``timeout``: the sender has given up by
+then; 408) and within a byte budget shared by the bodies being read at once
+(``bodies`` messages of the cap; 503 ``busy`` beyond it, before reading: the sender
+retries). Either answer closes the connection. A body over the cap gets 413. A peer
+that resets mid-body gets counted and logged once per period (``RefusalLog``),
+not a traceback per connection. See docs/design.md §12.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from aiohttp import web
+
+from geolimit.errors import ProtocolError
+from geolimit.replication.refusals import RefusalLog
+from geolimit.replication.transport import read_limited
+
+__all__ = ["BodyGuard", "error_response"]
+
+
+def error_response(status: int, reason: str, message: str, close: bool = False) -> web.Response:
+    """``{"error": message, "reason": reason}``; ``close``: then close the connection."""
+    response = web.json_response({"error": message, "reason": reason}, status=status)
+    if close:
+        response.force_close()
+    return response
+
+
+class BodyGuard:
+    """``await guard.read(request)``: the body, or the answer to give instead."""
+
+    def __init__(self, what: str, cap: int, timeout: Callable[[], float], refusals: RefusalLog,
+                 rejected: Callable[[str], None] = lambda reason: None, bodies: int = 4) -> None:
+        self.what, self.cap, self._timeout = what, cap, timeout
+        self._refusals, self._rejected = refusals, rejected
+        self.budget = bodies * cap
+        self.reading = 0  # bytes reserved by the bodies being read now
+
+    async def read(self, request: web.Request) -> bytes | web.Response:
+        cap, what = self.cap, self.what
+        if request.content_length is not None and request.content_length > cap:
+            self._rejected("too_large")
+            return error_response(413, "too_large", f"{what} body over {cap} bytes")
+        want = cap if request.content_length is None else request.content_length
+        if self.reading + want > self.budget:
+            self._rejected("busy")
+            return error_response(503, "busy", f"{what} bodies of {self.reading} bytes are being read; send again",
+                                  close=True)
+        self.reading += want
+        timeout = self._timeout()
+        try:
+            body = await asyncio.wait_for(read_limited(request.content, cap), timeout)
+        except asyncio.TimeoutError:
+            self._rejected("slow_body")
+            self._refusals.warn(what, request.remote, ProtocolError(f"body not received within {timeout:g} s"))
+            return error_response(408, "slow_body", f"{what} body not received within {timeout:g} s", close=True)
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            self._rejected("disconnected")
+            self._refusals.warn(what, request.remote, ProtocolError(f"connection lost mid-body ({type(exc).__name__})"))
+            return error_response(400, "disconnected", "connection lost mid-body", close=True)
+        finally:
+            self.reading -= want
+        if body is None:
+            self._rejected("too_large")
+            return error_response(413, "too_large", f"{what} body over {cap} bytes")
+        return body
