@@ -4,7 +4,9 @@ anyone who reaches the port hold the agent's memory or its connections.
 A body is read within a deadline (the gossip ``timeout``: the sender has given up by
 then; 408) and within a byte budget shared by the bodies being read at once
 (``bodies`` messages of the cap; 503 ``busy`` beyond it, before reading: the sender
-retries). Either answer closes the connection. A body over the cap gets 413. A peer
+retries). Either answer ends the keep-alive: aiohttp reads on and drops what the
+client still sends for its lingering time (10 s), then closes the connection (no
+memory held meanwhile). A body over the cap gets 413. A peer
 that resets mid-body gets counted and logged once per period (``RefusalLog``),
 not a traceback per connection. See docs/design.md §12.
 """

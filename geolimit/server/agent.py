@@ -152,11 +152,8 @@ class Agent:
         try:
             for app, (host, port), ssl_ctx in apps:
                 # A stop waits this long for requests in progress (aiohttp's default: 60 s); a peer
-                # whose message is cut off keeps it queued and sends it again. A request answered
-                # before its body was read (a slow or oversized gossip body) has its connection
-                # closed at once, not read on and discarded for aiohttp's default of 10 s.
-                runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=STOP_GRACE,
-                                       lingering_time=0)
+                # whose message is cut off keeps it queued and sends it again.
+                runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=STOP_GRACE)
                 await runner.setup()
                 self._runners.append(runner)
                 self._addresses.append(await listen(runner, host, port, ssl_context=ssl_ctx,
