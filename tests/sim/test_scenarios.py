@@ -127,8 +127,10 @@ async def test_an_agent_restart_loses_nothing(sim_store_url: str) -> None:
         await h.sim.advance(3 * INTERVAL)  # a's agent drains the change into its outboxes; sends fail
         engine = h.sim.regions["a"].engine
         assert all(p.queued for p in engine.peers.values())
-        client = h.sim.regions["a"].limiter.store.client()
-        assert [k async for k in client.scan_iter(match=b"gl:{*}#c")] == []  # drained: Redis forgot the change
+        limiter = h.sim.regions["a"].limiter
+        client = limiter.store.client()
+        changed = limiter.layout.prefix.encode() + b":{*}#c"  # a's own keys: on the cluster others' live beside them
+        assert [k async for k in client.scan_iter(match=changed)] == []  # drained: Redis forgot the change
         for name in "bc":
             assert await h.sim.cells(name) == {}
         await h.sim.restart_agent("a")  # the agent's memory is gone; its outboxes are in Redis
