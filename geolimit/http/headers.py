@@ -221,7 +221,9 @@ def problem_body(decision: Decision, instance: str | None = None) -> bytes:
     fit, and the response then has no ``Retry-After``) describe the binding rule.
     """
     retry = decision.retry_after
-    window = _ceil(max((r.window for r in decision.results), default=0))
+    # The binding rule's window (a multi-rate route said "5 per 3600 s" for its 5/minute).
+    binding = [r.window for r in decision.results if r.rule == decision.rule]
+    window = _ceil(binding[0] if binding else max((r.window for r in decision.results), default=0))
     detail = (
         f"rate limit {decision.rule!r} exceeded: {decision.limit} per {window} s" if math.isfinite(retry)
         else f"the request costs more than rule {decision.rule!r} allows in a whole window: it can never be "

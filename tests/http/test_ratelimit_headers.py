@@ -118,6 +118,13 @@ def test_the_denial_is_a_quota_exceeded_problem_with_violated_policies() -> None
     assert json.loads(problem_body(never))["retry_after"] is None
 
 
+def test_the_denial_names_the_window_of_the_rule_that_denied() -> None:
+    """A multi-rate route ("10/hour;5/minute") denied by its minute rule said "5 per 3600 s"."""
+    minute = result("multi.1m", False, 0, retry=20.0, limit=5, window=60.0)
+    decision = combine([result("multi.1h", True, 6, limit=10, window=3600.0), minute])
+    assert json.loads(problem_body(decision))["detail"] == "rate limit 'multi.1m' exceeded: 5 per 60 s"
+
+
 @pytest.mark.parametrize(
     ("path", "instance"),
     [
