@@ -204,6 +204,7 @@ def _status_lines(status: dict[str, Any]) -> list[str]:
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip() for row in rows]
+    lines += [f"WARNING: {warning}" for warning in status.get("warnings") or []]  # e.g. a peer refuses our secret
     return lines
 
 
@@ -238,7 +239,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return 3
     if args.json:
         print(json.dumps(status, indent=2))
-        return 0
+        return 0 if status.get("ready") else 1
     try:
         lines = _status_lines(status)
     except (AttributeError, TypeError, ValueError, KeyError) as exc:  # JSON, but not an agent's status

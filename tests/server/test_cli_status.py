@@ -94,3 +94,39 @@ async def test_status_of_a_json_service_that_is_not_an_agent_is_a_one_line_error
             assert "sent an unexpected status" in ran.stderr, ran.stderr
     finally:
         await runner.cleanup()
+
+
+async def test_warnings_are_shown_and_json_exits_1_when_not_ready() -> None:
+    """The table printed none of /v1/status's warnings (a peer refusing our secret showed only
+    as its last error), and --json exited 0 even when the agent was not ready."""
+    from aiohttp import web
+
+    answers = {
+        "ready": {"region": "a", "ready": True, "peers": {}, "warnings": [
+            "peer b refuses this region's signature (3 refusals): check [region] secret_file"]},
+        "not ready": {"region": "a", "ready": False, "waiting_for": ["redis"], "peers": {}, "warnings": []},
+    }
+    current = ["ready"]
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response(answers[current[0]])
+
+    app = web.Application()
+    app.router.add_get("/v1/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    try:
+        table = await cli("status", "--agent", url)
+        assert table.code == 0
+        assert "WARNING: peer b refuses this region's signature (3 refusals): check [region] secret_file" in table.stdout
+        assert (await cli("status", "--agent", url, "--json")).code == 0
+        current[0] = "not ready"
+        assert (await cli("status", "--agent", url)).code == 1
+        raw = await cli("status", "--agent", url, "--json")
+        assert raw.code == 1
+        assert json.loads(raw.stdout)["ready"] is False
+    finally:
+        await runner.cleanup()
