@@ -232,7 +232,10 @@ def evaluate(
     count: float = newer + (oldest_part(sums[n], weight) if approximate else sums[n])
     allowed = count + cost <= limit
     used_f = count + cost if (allowed and consume) else count
-    used = math.ceil(used_f) if approximate else int(used_f)
+    # Rounded up in both modes: a reservation for peers is fractional, and limit - used
+    # must be what a request may still cost (strict mode truncated 4.5 to 4, so a
+    # denied request was told it had 1 left).
+    used = math.ceil(used_f)
     if allowed:
         retry_us = 0
     elif cost > limit:

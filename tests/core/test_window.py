@@ -333,3 +333,17 @@ def test_remaining_cannot_grow_within_stable_for_and_strict_grows_right_after(
     if rule.mode == "strict" and result.reset_after_us > 0 and rule.limit > 0:
         (after,) = store.hit([rule], SUBJECT, 0, now + stable, consume=False)
         assert after.used < result.used, "strict: exact, the oldest counted bucket has left"
+
+
+@settings(max_examples=300, deadline=None)
+@given(sums=st.lists(st.integers(0, 8), min_size=3, max_size=3), reserve=st.floats(0, 6),
+       cost=st.integers(1, 6), limit=st.integers(1, 20), approximate=st.booleans(), offset=st.integers(0, 999_999))
+def test_a_request_costing_at_most_what_remains_is_admitted(
+    sums: list[int], reserve: float, cost: int, limit: int, approximate: bool, offset: int,
+) -> None:
+    """``limit - used`` (the headers' ``r``) is what a request may still cost, in both modes. In strict
+    mode a fractional reservation for peers was truncated: 4.5 counted showed 1 left, then denied 1."""
+    now = 100 * 1_000_000 + offset
+    peek = evaluate(sums, {}, now, cost, limit, 1_000_000, approximate, consume=False, reserve=reserve)
+    hit = evaluate(sums, {}, now, cost, limit, 1_000_000, approximate, consume=True, reserve=reserve)
+    assert hit.allowed == (cost <= limit - peek.used)

@@ -259,7 +259,7 @@ local function evaluate(sums, firsts, futs, N, now, cost, limit, res, approx, co
   local allowed = count + cost <= limit
   local used = count
   if allowed and consume then used = count + cost end
-  if approx then used = ceil(used) end
+  used = ceil(used)  -- a reserve is fractional in both modes: limit - used is what a request may still cost
   local retry = 0
   if not allowed then
     if cost > limit then
