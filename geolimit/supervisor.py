@@ -7,7 +7,9 @@ stop) and SIGHUP (reload) to every worker, restarts a worker that exits on its
 own after an exponential backoff (logged as an error), and gives up, stopping
 the others and exiting 1, when one worker crashes ``max_crashes`` times within
 ``crash_window`` seconds. A worker stops (as on SIGTERM) when its supervisor
-disappears (:func:`watch_parent`).
+disappears (:func:`watch_parent`). Before it starts any worker it binds each of
+its ``listens`` addresses once: a port another process holds is one error and
+exit 1 at once, not a crash loop of workers that cannot bind it.
 
 It also creates a private directory for the workers' metrics
 (geolimit/worker_metrics.py), names it to them in ``GEOLIMIT_WORKER_METRICS_DIR``,
@@ -30,7 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from geolimit.errors import ConfigError
+from geolimit.errors import ConfigError, GeolimitError
 from geolimit.worker_metrics import METRICS_DIR_ENV, mark_dead
 
 __all__ = ["Supervisor", "describe_exit", "watch_parent"]
@@ -76,6 +78,8 @@ class Supervisor:
     worker stopped cleanly, else 1. ``async with Supervisor(...)`` starts and stops.
     ``name`` starts its log messages ("agent us-east", "proxy"); ``args`` follow
     the worker's ``--worker-index``; ``command`` is how to run ``geolimit``.
+    ``listens`` are the ``(setting, (host, port))`` addresses the workers share:
+    ``start()`` raises :class:`GeolimitError` naming the first one it cannot bind.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class Supervisor:
         first_backoff: float = 0.5,
         max_backoff: float = 10.0,
         command: Sequence[str] | None = None,
+        listens: Sequence[tuple[str, tuple[str, int]]] = (),
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(f"workers must be a positive integer, got {workers!r}")
@@ -106,6 +111,7 @@ class Supervisor:
         self.first_backoff = first_backoff
         self.max_backoff = max_backoff
         self.command = list(command) if command is not None else [sys.executable, "-m", "geolimit"]
+        self.listens = list(listens)
         self._workers: list[_Worker] = []
         self._stopping = asyncio.Event()
         self._gave_up = asyncio.Event()
@@ -114,10 +120,26 @@ class Supervisor:
 
     # -- lifecycle ------------------------------------------------------------
 
+    def check_listens(self) -> None:
+        """Bind each of ``listens`` once and let it go (GeolimitError naming the one that fails):
+        a worker that cannot bind its port would only crash, be restarted and crash again."""
+        from geolimit.http.listener import bind_sockets  # aiohttp: only the servers need it
+
+        for key, (host, port) in self.listens:
+            try:
+                sockets = bind_sockets(host, port)
+            except OSError as exc:
+                where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                raise GeolimitError(f"{self.name}: cannot listen on {key} {where}: {exc}") from None
+            for sock in sockets:
+                sock.close()
+
     async def start(self) -> None:
-        """Start every worker (raises OSError if one cannot be spawned)."""
+        """Start every worker (raises GeolimitError if a ``listens`` address cannot be bound,
+        OSError if a worker cannot be spawned)."""
         if self._workers:
             return
+        self.check_listens()
         self.metrics_dir = tempfile.mkdtemp(prefix=f"geolimit-{self.program}-metrics-")
         for index in range(self.workers):
             worker = _Worker(index, await self._spawn(index))
@@ -136,6 +158,9 @@ class Supervisor:
         on a crashing worker; then stop them all. The process's exit code."""
         try:
             await self.start()
+        except GeolimitError as exc:  # a port held by another process: no worker was started
+            print(f"geolimit: error: {exc}", file=sys.stderr, flush=True)
+            return 1
         except OSError as exc:
             log.error("%s: cannot start its workers: %s", self.name, exc)
             await self.stop()

@@ -42,6 +42,7 @@ LOAD = 3.0  # offered traffic, as a multiple of the limit
 INTERVAL = 0.1  # gossip round, seconds
 MAX_REGIONS = 8
 MIN_SECONDS = 3.0
+MAX_SECONDS = 86400.0  # a day of traffic; the CLI's --seconds says the same
 CONVERGE_GRACE = 3.0  # seconds the run may wait after the traffic for views to converge
 _EXIT = {"SIGINT": 130, "SIGTERM": 143}
 _POLICIES: dict[str, str] = {
@@ -104,8 +105,8 @@ def run_demo(
 def _check_arguments(regions: int, seconds: float, policy: str, plot: str, latency: float) -> str | None:
     if isinstance(regions, bool) or not isinstance(regions, int) or not 2 <= regions <= MAX_REGIONS:
         return f"--regions must be a whole number from 2 to {MAX_REGIONS}, got {regions!r}"
-    if not (math.isfinite(seconds) and seconds >= MIN_SECONDS):
-        return f"--seconds must be at least {MIN_SECONDS:g}, got {seconds!r}"
+    if not (math.isfinite(seconds) and MIN_SECONDS <= seconds <= MAX_SECONDS):
+        return f"--seconds must be at least {MIN_SECONDS:g} and at most {MAX_SECONDS:g}, got {seconds!r}"
     if policy not in _POLICIES:
         return f"--policy must be one of {', '.join(_POLICIES)}, got {policy!r}"
     if not (math.isfinite(latency) and 0.0 <= latency <= 5.0):

@@ -194,10 +194,10 @@ def _resolved(limiter: AsyncLimiter, groups: Mapping[str, tuple[str, ...]], chec
             members: tuple[str, ...] = (name,)
             try:
                 limiter.rule(name)
-            except UnknownRuleError as exc:
+            except UnknownRuleError:
                 members = tuple(groups.get(name, ()))
                 if not members:
-                    raise BadRequest(str(exc), check.rule_field, status=404) from None
+                    raise BadRequest(_unknown_rule(name, limiter, groups), check.rule_field, status=404) from None
                 for member in members:  # a reload in between: the table's rules must all be there
                     try:
                         limiter.rule(member)
@@ -210,6 +210,17 @@ def _resolved(limiter: AsyncLimiter, groups: Mapping[str, tuple[str, ...]], chec
                 names.append(member)
         out.append(check if list(check.names) == names else replace(check, rules=names))
     return out
+
+
+def _unknown_rule(name: str, limiter: AsyncLimiter, groups: Mapping[str, tuple[str, ...]]) -> str:
+    """The 404 message for ``name``: the names a request may use, a multi-rate table's with its
+    rules (``api, multi (multi.1h, multi.1m)``)."""
+    rules = limiter.rules
+    tables = {table: members for table, members in groups.items() if all(m in rules for m in members)}
+    grouped = {member for members in tables.values() for member in members}
+    known = [rule for rule in rules if rule not in grouped]
+    known += [f"{table} ({', '.join(members)})" for table, members in tables.items()]
+    return f"unknown rule {name!r}; known rules: {', '.join(sorted(known))}" if known else f"unknown rule {name!r}"
 
 
 def _fields(decision: Decision, cost: int) -> list[tuple[str, str]]:

@@ -72,8 +72,10 @@ async def _serve(config: AgentConfig, flush_timeout: float, path: str | None = N
 
 async def _serve_workers(config: AgentConfig, flush_timeout: float, path: str, pinned: bool) -> int:
     """The supervisor of ``config.workers`` worker processes (``pinned``: --workers was given)."""
+    listens = [(key, address) for key, address in (("region.listen", config.listen),
+               ("region.api_listen", config.api_listen), ("region.rls_listen", config.rls_listen)) if address]
     supervisor = Supervisor(path, config.workers, region=config.region, flush_timeout=flush_timeout,
-                            stop_timeout=flush_timeout + STOP_GRACE + 5.0)
+                            stop_timeout=flush_timeout + STOP_GRACE + 5.0, listens=listens)
 
     async def hangup() -> None:
         supervisor.reload()  # each worker re-reads the file and keeps its rules if it is invalid

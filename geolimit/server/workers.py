@@ -81,7 +81,8 @@ class Supervisor(_Supervisor):
     """The supervisor of ``geolimit agent --workers N`` (see :class:`geolimit.supervisor.Supervisor`).
 
     Each worker stops with ``--flush-timeout flush_timeout``; log messages name
-    the ``region``.
+    the ``region``; ``listens`` are the region's listen addresses, bound once before
+    any worker starts.
     """
 
     def __init__(
@@ -97,12 +98,13 @@ class Supervisor(_Supervisor):
         first_backoff: float = 0.5,
         max_backoff: float = 10.0,  # below the 15 s change lease: a short outage loses no change marks
         command: Sequence[str] | None = None,
+        listens: Sequence[tuple[str, tuple[str, int]]] = (),
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
             raise ConfigError(f"workers must be from 1 to {MAX_WORKERS}, got {workers!r}")
         super().__init__("agent", config_path, workers, name=f"agent {region}",
                          args=("--flush-timeout", repr(flush_timeout)), stop_timeout=stop_timeout,
                          max_crashes=max_crashes, crash_window=crash_window, first_backoff=first_backoff,
-                         max_backoff=max_backoff, command=command)
+                         max_backoff=max_backoff, command=command, listens=listens)
         self.region = region
         self.flush_timeout = flush_timeout

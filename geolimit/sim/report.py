@@ -19,6 +19,9 @@ from geolimit.store.embedded import EmbeddedRedis
 __all__ = ["format_table", "outcome_rows", "pct", "run_accuracy_bench", "targets"]
 
 PASS, MISS, INSUFFICIENT = "PASS", "MISS", "INSUFFICIENT"
+#: The longest --duration, in simulated seconds: an hour (a simulated minute takes about 30 s of
+#: wall time per scenario, so an hour takes about half an hour each); the CLI says the same.
+MAX_DURATION = 3600.0
 
 
 def pct(x: float) -> str:
@@ -167,8 +170,9 @@ def run_accuracy_bench(
         print(f"geolimit: unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}",
               file=sys.stderr)
         return 2
-    if duration is not None and not (math.isfinite(duration) and duration > 0):  # nan would never end
-        print(f"geolimit: --duration must be a number of seconds greater than 0, got {duration!r}", file=sys.stderr)
+    if duration is not None and not (math.isfinite(duration) and 0 < duration <= MAX_DURATION):  # nan: never ends
+        print(f"geolimit: --duration must be a number of seconds greater than 0 and at most {MAX_DURATION:g}, "
+              f"got {duration!r}", file=sys.stderr)
         return 2
     logging.getLogger("geolimit").setLevel(logging.ERROR)  # partitions log failed sends by design
     started = time.perf_counter()
