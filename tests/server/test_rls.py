@@ -309,3 +309,26 @@ async def test_a_port_in_use_is_an_error_not_a_shared_port(edge: Agent, start_ag
     options = rls_options(tmp_path, EDGE, fast=rls_fast_path) | {"rls_listen": taken}
     with pytest.raises(GeolimitError, match=r"cannot listen for gRPC on 127\.0\.0\.1:\d+"):
         await start_agent(**options)
+
+
+async def test_metric_series_stay_bounded_whatever_domains_and_keys_clients_send(
+    client: Client, edge: Agent, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every domain a client named (4 MB ones included) became a label of
+    geolimit_rls_decisions_total: 20 of them made /metrics 320 MB, and scraping it stalled
+    decisions for 1.8 s. Unknown domains now count as one; past MAX_SERIES label sets,
+    new descriptor keys count under "_other"."""
+    from geolimit.server.rls import server as rls_server
+
+    monkeypatch.setattr(rls_server, "MAX_SERIES", 3)
+    for n in range(30):
+        assert (await client.codes(f"nobody-configured-{n}-" + "x" * 1000, [("k", "v")]))[0] == OK
+    for n in range(10):  # keys of a known domain that no limit matches: one label set each, until the cap
+        await client.codes("edge", [(f"key{n}", "v")])
+    async with aiohttp.ClientSession() as http, http.get(edge.url + "/metrics") as resp:
+        series = [line for line in (await resp.text()).splitlines()
+                  if line.startswith("geolimit_rls_decisions_total{")]
+    assert 'geolimit_rls_decisions_total{domain="_unknown",key="_unknown",result="no_limit"} 30.0' in series
+    assert not [line for line in series if "nobody-configured" in line]
+    assert len(series) <= 3 + 1, series  # the cap, and the overflow series
+    assert any('key="_other"' in line for line in series)

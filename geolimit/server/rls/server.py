@@ -46,6 +46,12 @@ log = logging.getLogger("geolimit.agent")
 SERVICE = "envoy.service.ratelimit.v3.RateLimitService"
 METHOD = f"/{SERVICE}/ShouldRateLimit"
 _MAX_WARNED_DOMAINS = 100
+#: geolimit_rls_decisions label sets (domain, key, result) before new ones count under OTHER_SERIES.
+MAX_SERIES = 10_000
+#: The domain and key labels of requests for a domain the configuration does not name.
+UNKNOWN_DOMAIN = "_unknown"
+#: The key label of descriptors past MAX_SERIES label sets.
+OTHER_SERIES = "_other"
 
 
 class Call(Protocol):
@@ -147,11 +153,20 @@ class RlsServer:
                 raise
 
     def _answer(self, call: Call, name: str, result: Answer, started: float) -> None:
+        rls = self._agent.config.rls
+        known = rls is not None and name in rls.domains
         for status in result.statuses:
-            labels = (name, status.metric, status.result)
+            # Label values come from the request: an unknown domain counts as one, and past
+            # MAX_SERIES label sets (descriptor keys, detailed_metric values) new ones count
+            # under "_other", or anyone reaching the port grows /metrics without bound.
+            labels = (name, status.metric, status.result) if known else (UNKNOWN_DOMAIN, UNKNOWN_DOMAIN, status.result)
             child = self._counted.get(labels)
             if child is None:
-                child = self._counted[labels] = self.decisions.labels(*labels)
+                if len(self._counted) >= MAX_SERIES:
+                    labels = (labels[0], OTHER_SERIES, status.result)
+                    child = self._counted.get(labels)
+                if child is None:
+                    child = self._counted[labels] = self.decisions.labels(*labels)
             child.inc()
         call.reply(encode_response(result))
         self.request_seconds.observe(time.perf_counter() - started)
@@ -181,7 +196,8 @@ class RlsServer:
     def _warn_unknown(self, name: str) -> None:
         if name not in self._unknown and len(self._unknown) < _MAX_WARNED_DOMAINS:
             self._unknown.add(name)
-            log.warning("rate limit service: no configuration for domain %r: its descriptors get no limit", name)
+            shown = name if len(name) <= 100 else name[:100] + f"... ({len(name)} characters)"
+            log.warning("rate limit service: no configuration for domain %r: its descriptors get no limit", shown)
 
 
 def _fail(call: Call, exc: BaseException) -> None:
