@@ -33,7 +33,6 @@ import asyncio
 import base64
 import binascii
 import hmac
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -46,6 +45,8 @@ from geolimit.core.decision import Decision
 from geolimit.core.keys import MAX_SUBJECT_BYTES
 from geolimit.errors import BadRequest, GeolimitError, RequestError, StorageError, UnknownRuleError
 from geolimit.http.headers import QuotaUnit, rate_limit_headers
+from geolimit.replication.refusals import RefusalLog
+from geolimit.server.api_body import MAX_BODY, ClientGone, read_json_body
 from geolimit.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from geolimit.server.routes_protocol import ApiAgent
 from geolimit.store.protocol import MAX_COST
@@ -59,7 +60,7 @@ __all__ = ["MAX_BATCH", "MAX_BODY", "BadRequest", "Check", "add_api_routes", "ad
 
 log = logging.getLogger("geolimit.agent")
 
-MAX_BODY = 1024 * 1024
+_refusals = RefusalLog(log)
 MAX_BATCH = 1000
 _FIELDS = frozenset({"rule", "rules", "subject", "subject_b64", "cost"})
 _USAGE_PARAMS = frozenset({"rule", "subject", "subject_b64"})
@@ -150,21 +151,7 @@ def parse_check(item: object, where: str = "") -> Check:
 
 
 async def _body(request: web.Request) -> object:
-    if request.content_length is not None and request.content_length > MAX_BODY:
-        raise BadRequest(f"body over {MAX_BODY} bytes", "body", status=413)
-    # StreamReader.read(n) returns what has arrived so far: keep reading until EOF.
-    raw = bytearray()
-    while True:
-        chunk = await request.content.read(MAX_BODY + 1 - len(raw))
-        if not chunk:
-            break
-        raw += chunk
-        if len(raw) > MAX_BODY:
-            raise BadRequest(f"body over {MAX_BODY} bytes", "body", status=413)
-    try:
-        return json.loads(bytes(raw))
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise BadRequest(f"body is not valid JSON: {str(exc)[:200]}", "body") from None
+    return await read_json_body(request, _refusals)
 
 
 def _checks(body: object) -> tuple[list[Check], bool]:
@@ -249,6 +236,8 @@ def _guarded(handler: Handler, token: str | None) -> Handler:
             return await handler(request)
         except BadRequest as exc:
             return _fail(exc)
+        except ClientGone:  # logged once per period by read_json_body; nobody reads an answer
+            return _error(400, "connection lost mid-body")
         except StorageError as exc:
             return _error(503, str(exc))
         except RequestError as exc:
