@@ -104,7 +104,7 @@ def parse_check(item: object, where: str = "") -> Check:
         raise BadRequest(f"{where.rstrip('.') or 'body'} must be a JSON object", where.rstrip(".") or "body")
     for key in item:
         if key not in _FIELDS:
-            raise BadRequest(f"unknown field {key!r}; allowed: {', '.join(sorted(_FIELDS))}", where + key)
+            raise BadRequest(f"unknown field {_shown(key)}; allowed: {', '.join(sorted(_FIELDS))}", where + key[:100])
     rules: str | list[str]
     if "rule" in item and "rules" in item:
         raise BadRequest("give either 'rule' (a name) or 'rules' (a list of names), not both", where + "rules")
@@ -159,7 +159,7 @@ def _checks(body: object) -> tuple[list[Check], bool]:
     if isinstance(body, dict) and "checks" in body:
         extra = sorted(set(body) - {"checks"})
         if extra:
-            raise BadRequest(f"a batch object holds only 'checks', not {extra[0]!r}", extra[0])
+            raise BadRequest(f"a batch object holds only 'checks', not {_shown(extra[0])}", extra[0][:100])
         body = body["checks"]
         if not isinstance(body, list):
             raise BadRequest("'checks' must be a list", "checks")
@@ -192,11 +192,16 @@ def _resolved(limiter: AsyncLimiter, groups: Mapping[str, tuple[str, ...]], chec
                         raise BadRequest(str(gone), check.rule_field, status=404) from None
             for member in members:
                 if member in names:
-                    raise BadRequest(f"rule {member!r} is named twice (directly or by its [[rule]] table)",
+                    raise BadRequest(f"rule {_shown(member)} is named twice (directly or by its [[rule]] table)",
                                      check.rule_field)
                 names.append(member)
         out.append(check if list(check.names) == names else replace(check, rules=names))
     return out
+
+
+def _shown(value: str) -> str:
+    """``repr(value)``, cut to 100 characters: error answers never echo a client's megabytes."""
+    return repr(value) if len(value) <= 100 else repr(value[:100]) + f"... ({len(value)} characters)"
 
 
 def _unknown_rule(name: str, limiter: AsyncLimiter, groups: Mapping[str, tuple[str, ...]]) -> str:
@@ -207,7 +212,7 @@ def _unknown_rule(name: str, limiter: AsyncLimiter, groups: Mapping[str, tuple[s
     grouped = {member for members in tables.values() for member in members}
     known = [rule for rule in rules if rule not in grouped]
     known += [f"{table} ({', '.join(members)})" for table, members in tables.items()]
-    return f"unknown rule {name!r}; known rules: {', '.join(sorted(known))}" if known else f"unknown rule {name!r}"
+    return f"unknown rule {_shown(name)}; known rules: {', '.join(sorted(known))}" if known else f"unknown rule {_shown(name)}"
 
 
 def _fields(decision: Decision, cost: int) -> list[tuple[str, str]]:
@@ -258,9 +263,9 @@ def _usage_check(query: MultiMapping[str]) -> Check:
     """The check of a ``GET /v1/usage`` query string (one rule, one subject)."""
     for key in query:
         if key not in _USAGE_PARAMS:
-            raise BadRequest(f"unknown query parameter {key!r}; allowed: rule, subject, subject_b64", key)
+            raise BadRequest(f"unknown query parameter {_shown(key)}; allowed: rule, subject, subject_b64", key[:100])
         if len(query.getall(key)) > 1:
-            raise BadRequest(f"query parameter {key!r} is given twice", key)
+            raise BadRequest(f"query parameter {_shown(key)} is given twice", key[:100])
     if not query.get("rule"):
         raise BadRequest("query parameter 'rule' is required", "rule")
     return parse_check(dict(query))

@@ -228,3 +228,15 @@ async def test_a_body_over_one_mib_gets_413(agent: Agent, session: aiohttp.Clien
     assert (status, error["field"]) == (413, "body")
     status, d = await check(session, agent, U)
     assert (status, d["allowed"]) == (200, True), "the agent still serves after refusing big bodies"
+
+
+async def test_error_answers_never_echo_a_clients_megabytes(agent: Agent, session: aiohttp.ClientSession) -> None:
+    """A 900 KB rule name came back whole in the 404 (and an unknown field's name in the 400)."""
+    huge = "r" * 900_000
+    status, error = await check(session, agent, {"rule": huge, "subject": "u"})
+    assert status == 404
+    assert len(json.dumps(error)) < 2000
+    assert "(900000 characters)" in error["error"]
+    status, error = await check(session, agent, {"rule": "api", "subject": "u", huge: 1})
+    assert status == 400
+    assert len(json.dumps(error)) < 2000
