@@ -46,7 +46,7 @@ from geolimit.core.keys import MAX_SUBJECT_BYTES
 from geolimit.errors import BadRequest, GeolimitError, RequestError, StorageError, UnknownRuleError
 from geolimit.http.headers import QuotaUnit, rate_limit_headers
 from geolimit.replication.refusals import RefusalLog
-from geolimit.server.api_body import MAX_BODY, ClientGone, read_json_body
+from geolimit.server.api_body import MAX_BODY, _ClientGone, read_json_body
 from geolimit.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from geolimit.server.routes_protocol import ApiAgent
 from geolimit.store.protocol import MAX_COST
@@ -241,7 +241,7 @@ def _guarded(handler: Handler, token: str | None) -> Handler:
             return await handler(request)
         except BadRequest as exc:
             return _fail(exc)
-        except ClientGone:  # logged once per period by read_json_body; nobody reads an answer
+        except _ClientGone:  # logged once per period by read_json_body; nobody reads an answer
             return _error(400, "connection lost mid-body")
         except StorageError as exc:
             return _error(503, str(exc))

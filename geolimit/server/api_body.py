@@ -19,7 +19,7 @@ from aiohttp import web
 from geolimit.errors import BadRequest, ProtocolError
 from geolimit.replication.refusals import RefusalLog
 
-__all__ = ["BODIES_IN_FLIGHT", "BODY_SECONDS", "MAX_BODY", "ClientGone", "read_json_body"]
+__all__ = ["BODIES_IN_FLIGHT", "BODY_SECONDS", "MAX_BODY", "read_json_body"]
 
 MAX_BODY = 1024 * 1024
 #: Seconds a request body may take to arrive.
@@ -28,7 +28,7 @@ BODY_SECONDS = 10.0
 BODIES_IN_FLIGHT = 64
 
 
-class ClientGone(Exception):
+class _ClientGone(Exception):
     """The client dropped the connection before its body arrived: there is no one to answer."""
 
 
@@ -52,7 +52,7 @@ async def _read_all(request: web.Request) -> bytearray:
 
 
 async def read_json_body(request: web.Request, refusals: RefusalLog) -> object:
-    """The body as JSON; :class:`BadRequest` (400, 408, 413, 503) or :class:`ClientGone`."""
+    """The body as JSON; :class:`BadRequest` (400, 408, 413, 503) or :class:`_ClientGone`."""
     if request.content_length is not None and request.content_length > MAX_BODY:
         raise BadRequest(f"body over {MAX_BODY} bytes", "body", status=413)
     want = MAX_BODY if request.content_length is None else request.content_length
@@ -65,7 +65,7 @@ async def read_json_body(request: web.Request, refusals: RefusalLog) -> object:
         raise BadRequest(f"body not received within {BODY_SECONDS:g} s", "body", status=408) from None
     except (ConnectionError, asyncio.IncompleteReadError) as exc:
         refusals.warn("API request", request.remote, ProtocolError(f"connection lost mid-body ({type(exc).__name__})"))
-        raise ClientGone from None
+        raise _ClientGone from None
     finally:
         _budget.reading -= want
     try:
