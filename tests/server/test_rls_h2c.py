@@ -18,7 +18,7 @@ import redis.asyncio
 from envoy.service.ratelimit.v3 import rls_pb2
 
 from geolimit.server.agent import Agent
-from geolimit.server.rls import h2c
+from geolimit.server.rls import h2c, h2conn
 from geolimit.server.rls.h2wire import (
     END_HEADERS,
     END_STREAM,
@@ -186,6 +186,33 @@ async def test_unfinished_requests_over_8_mib_on_a_connection_lose_the_largest(a
     assert (await raw.answer(raw.call(rls_request()))).status == OK_STATUS
     assert not raw.ended & {sids[0], sids[2]}, "the others go on"
     await healthy(agent)
+
+
+async def test_unfinished_requests_over_the_budget_of_all_connections_lose_the_largest(
+    agent: Agent, raw: Raw, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each connection kept under its own 8 MiB: 60 connections of 2 x 4 MiB unfinished requests
+    took an agent to 760 MiB. Past the budget of all connections (64 MiB; 4 MiB here), the
+    connection whose data passes it loses its largest unfinished request."""
+    monkeypatch.setattr(h2conn, "_MAX_BUFFERED_ALL", 4 << 20)
+    other = await Raw.connect(agent.rls_address)
+    try:
+        declared = b"\x00" + (h2c.MAX_MESSAGE - 10).to_bytes(4, "big")
+        sids = []
+        for client in (raw, other):  # 3 MB each, unfinished: the second passes 4 MiB in all
+            sid = client.stream()
+            sids.append(sid)
+            client.send(frame(FrameType.HEADERS, END_HEADERS, sid, client.block(request_fields())))
+            chunk = declared + b"x" * (16384 - 5)
+            client.send(*(frame(FrameType.DATA, 0, sid, chunk if i == 0 else b"x" * 16384) for i in range(180)))
+            await client.writer.drain()
+            if client is raw:
+                assert (await raw.answer(raw.call(rls_request()))).status == OK_STATUS  # the first one is held
+        assert (await other.answer(sids[1])).status == RESOURCE_EXHAUSTED
+        assert sids[0] not in raw.ended, "the first connection's request goes on"
+        await healthy(agent)
+    finally:
+        await other.close()
 
 
 @pytest.mark.parametrize(("body", "status"), [
