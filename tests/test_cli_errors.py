@@ -22,22 +22,7 @@ from pathlib import Path
 
 import pytest
 
-
-def _run(*args: str, stdout: int = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "geolimit", *args], stdout=stdout, stderr=subprocess.PIPE,
-                          text=True, timeout=60)
-
-
-def _assert_usage_error(out: subprocess.CompletedProcess[str], command: str, flag: str) -> str:
-    """The one stderr line of a usage error of ``geolimit COMMAND`` about ``flag``."""
-    assert out.returncode == 2, out
-    assert out.stdout == "", out
-    assert "Traceback" not in out.stderr
-    assert out.stderr.count("\n") == 1, out.stderr
-    assert out.stderr.startswith(f"geolimit {command}: error: argument {flag}: "), out.stderr
-    assert out.stderr.rstrip().endswith(f"(see 'geolimit {command} --help')"), out.stderr
-    return out.stderr.rstrip()
-
+from tests.support.cli_usage import assert_usage_error, run_cli
 
 # -- 1. `geolimit redis --port P` with P held by another process ----------------------------
 
@@ -75,7 +60,7 @@ def test_redis_on_a_port_in_use_says_so_and_how_to_pick_another(
 ) -> None:
     """Once, an HTTP server on the port ended in redis-py's InvalidResponse traceback."""
     with holder() as port:
-        out = _run("redis", "--port", str(port))
+        out = run_cli("redis", "--port", str(port))
     assert (out.returncode, out.stdout) == (1, ""), out
     assert out.stderr == (
         f"geolimit: error: port {port} on 127.0.0.1 is already in use by another process; "
@@ -91,7 +76,7 @@ def _closed_pipe_run(*args: str) -> subprocess.CompletedProcess[str]:
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        return _run(*args, stdout=write_end)
+        return run_cli(*args, stdout=write_end)
     finally:
         os.close(write_end)
 
@@ -127,7 +112,7 @@ def agent_url(tmp_path: Path, redis_url: str) -> Iterator[str]:
 
 def test_status_json_into_a_closed_pipe_exits_quietly(agent_url: str) -> None:
     """Once, `geolimit status --json | head -c 10` ended in a BrokenPipeError traceback."""
-    assert _run("status", "--agent", agent_url, "--json").returncode == 0  # the agent answers
+    assert run_cli("status", "--agent", agent_url, "--json").returncode == 0  # the agent answers
     out = _closed_pipe_run("status", "--agent", agent_url, "--json")
     assert (out.returncode, out.stderr) == (141, "")
 
@@ -145,14 +130,14 @@ def test_try_into_a_closed_pipe_exits_quietly(redis_url: str) -> None:
 def test_non_positive_timeout_is_a_usage_error_naming_the_flag(command: str, value: str) -> None:
     """Once, --timeout 0 gave a raw URLError and a negative one 'Timeout value out of range'."""
     args = ["api", "u"] if command == "check" else []
-    line = _assert_usage_error(_run(command, "--timeout", value, *args), command, "--timeout")
+    line = assert_usage_error(run_cli(command, "--timeout", value, *args), command, "--timeout")
     assert f"must be a number of seconds greater than 0, such as 5 or 0.5, got {value!r}" in line
 
 
 def test_try_embedded_with_redis_is_a_usage_error(redis_url: str) -> None:
     """Once, --redis was silently ignored next to --embedded."""
     for args in (["--embedded", "--redis", redis_url], ["--redis", redis_url, "--embedded"]):
-        out = _run("try", *args, "2/10s", "u")
+        out = run_cli("try", *args, "2/10s", "u")
         assert out.returncode == 2, out
         assert "Traceback" not in out.stderr
         assert out.stderr.count("\n") == 1, out.stderr
@@ -162,7 +147,7 @@ def test_try_embedded_with_redis_is_a_usage_error(redis_url: str) -> None:
 @pytest.mark.parametrize("value", ["0", "-1", "two"])
 def test_try_times_below_one_is_a_usage_error(value: str) -> None:
     """Once, --times -1 was accepted: no hit, exit 0."""
-    line = _assert_usage_error(_run("try", "--embedded", "--times", value, "2/10s", "u"), "try", "--times")
+    line = assert_usage_error(run_cli("try", "--embedded", "--times", value, "2/10s", "u"), "try", "--times")
     assert line.endswith(f"must be a whole number of at least 1, got {value!r} (see 'geolimit try --help')")
 
 
@@ -176,11 +161,11 @@ def test_try_times_below_one_is_a_usage_error(value: str) -> None:
 ], ids=["try-cost-negative", "try-cost-too-big", "check-cost-negative", "redis-port-0", "redis-port-negative",
         "redis-port-65536"])
 def test_other_numeric_flags_out_of_range_are_usage_errors(args: list[str], flag: str) -> None:
-    line = _assert_usage_error(_run(*args), args[0], flag)
+    line = assert_usage_error(run_cli(*args), args[0], flag)
     assert f"got {args[args.index(flag) + 1]!r}" in line
 
 
 def test_boundary_values_are_accepted(redis_url: str) -> None:
-    out = _run("try", "--redis", redis_url, "--times", "1", "--cost", "0", "2/10s", f"user:{secrets.token_hex(4)}")
+    out = run_cli("try", "--redis", redis_url, "--times", "1", "--cost", "0", "2/10s", f"user:{secrets.token_hex(4)}")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("allowed  try  remaining=2 ")

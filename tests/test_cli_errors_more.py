@@ -9,8 +9,6 @@ never ended, and ``demo`` checked its flags only after parsing, in its own words
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +17,7 @@ import pytest
 from geolimit.cli import build_parser
 from geolimit.demo.run import _check_arguments
 from geolimit.sim.report import run_accuracy_bench
-
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "geolimit", *args], capture_output=True, text=True, timeout=60)
-
-
-def _assert_usage_error(out: subprocess.CompletedProcess[str], command: str, flag: str) -> str:
-    """The one stderr line of a usage error of ``geolimit COMMAND`` about ``flag``."""
-    assert out.returncode == 2, out
-    assert out.stdout == "", out
-    assert "Traceback" not in out.stderr
-    assert out.stderr.count("\n") == 1, out.stderr
-    assert out.stderr.startswith(f"geolimit {command}: error: argument {flag}: "), out.stderr
-    assert out.stderr.rstrip().endswith(f"(see 'geolimit {command} --help')"), out.stderr
-    return out.stderr.rstrip()
-
+from tests.support.cli_usage import assert_usage_error, run_cli
 
 AGENT = ["agent", "--config", "region.toml"]  # a usage error comes before the config is read
 CASES = [
@@ -56,14 +39,14 @@ CASES = [
 def test_out_of_range_numeric_flag_is_a_usage_error(
     command: str, args: list[str], flag: str, value: str, expected: str,
 ) -> None:
-    line = _assert_usage_error(_run(*args, flag, value), command, flag)
+    line = assert_usage_error(run_cli(*args, flag, value), command, flag)
     assert f"must be {expected}, got {value!r}" in line, line
 
 
 def test_flush_timeout_zero_is_accepted(tmp_path: Path) -> None:
     """0 stays valid (stop without waiting for the outboxes): parsing passes, the config is next."""
     missing = tmp_path / "nope.toml"
-    out = _run("agent", "--config", str(missing), "--flush-timeout", "0")
+    out = run_cli("agent", "--config", str(missing), "--flush-timeout", "0")
     assert out.returncode == 1, out
     assert "argument --flush-timeout" not in out.stderr, out.stderr
     assert "does not exist" in out.stderr, out.stderr

@@ -16,21 +16,8 @@ import time
 import pytest
 import redis
 
+from tests.support.cli_usage import assert_usage_error, run_cli
 from tests.test_cli_redis import _read_url
-
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "geolimit", *args], capture_output=True, text=True, timeout=60)
-
-
-def _usage_error(out: subprocess.CompletedProcess[str], command: str, argument: str) -> str:
-    """The one stderr line of a usage error of ``geolimit COMMAND`` about ``argument``; nothing on stdout
-    (`try --embedded` prints the embedded server's URL there once it started one)."""
-    assert (out.returncode, out.stdout) == (2, ""), out
-    assert out.stderr.count("\n") == 1, out.stderr
-    assert out.stderr.startswith(f"geolimit {command}: error: argument {argument}: "), out.stderr
-    assert out.stderr.endswith(f" (see 'geolimit {command} --help')\n"), out.stderr
-    return out.stderr.rstrip()
 
 
 @pytest.mark.parametrize(("rate", "expected"), [
@@ -40,14 +27,14 @@ def _usage_error(out: subprocess.CompletedProcess[str], command: str, argument: 
     ("5/m;6/minute", "invalid rate '5/m;6/minute': two limits over the same window (1m); keep the stricter one"),
 ])
 def test_try_with_a_bad_rate_is_a_usage_error(rate: str, expected: str) -> None:
-    line = _usage_error(_run("try", "--embedded", rate, "user:1"), "try", "rate")
+    line = assert_usage_error(run_cli("try", "--embedded", rate, "user:1"), "try", "rate")
     assert expected in line, line
 
 
 def test_try_refuses_a_bad_region_before_starting_the_embedded_redis() -> None:
-    line = _usage_error(_run("try", "--embedded", "--region", "", "5/10s", "user:1"), "try", "--region")
+    line = assert_usage_error(run_cli("try", "--embedded", "--region", "", "5/10s", "user:1"), "try", "--region")
     assert "invalid region name '': use 1-64 characters" in line, line
-    _usage_error(_run("try", "--embedded", "--region", "us east", "5/10s", "user:1"), "try", "--region")
+    assert_usage_error(run_cli("try", "--embedded", "--region", "us east", "5/10s", "user:1"), "try", "--region")
 
 
 @pytest.mark.parametrize(("host", "why"), [
@@ -56,7 +43,7 @@ def test_try_refuses_a_bad_region_before_starting_the_embedded_redis() -> None:
     ("", "got ''"),
 ])
 def test_redis_on_a_host_that_is_not_local_is_a_usage_error(host: str, why: str) -> None:
-    line = _usage_error(_run("redis", "--host", host), "redis", "--host")
+    line = assert_usage_error(run_cli("redis", "--host", host), "redis", "--host")
     assert f"must be an address of this machine, such as 127.0.0.1 (loopback) or 0.0.0.0 (every interface), " \
            f"got {host!r}" in line, line
     assert why in line, line
