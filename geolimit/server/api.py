@@ -46,7 +46,7 @@ from geolimit.core.keys import MAX_SUBJECT_BYTES
 from geolimit.errors import BadRequest, GeolimitError, RequestError, StorageError, UnknownRuleError
 from geolimit.http.headers import QuotaUnit, rate_limit_headers
 from geolimit.replication.refusals import RefusalLog
-from geolimit.server.api_body import MAX_BODY, _ClientGone, read_json_body
+from geolimit.server.api_body import MAX_BODY, _ClientGone, body_guard, read_json_body
 from geolimit.server.metrics import CONTENT_TYPE as METRICS_TYPE
 from geolimit.server.routes_protocol import ApiAgent
 from geolimit.store.protocol import MAX_COST
@@ -150,10 +150,6 @@ def parse_check(item: object, where: str = "") -> Check:
     return Check(rules, subject, cost, where)
 
 
-async def _body(request: web.Request) -> object:
-    return await read_json_body(request, _refusals)
-
-
 def _checks(body: object) -> tuple[list[Check], bool]:
     """The checks of a body and whether it was a batch."""
     if isinstance(body, dict) and "checks" in body:
@@ -241,7 +237,7 @@ def _guarded(handler: Handler, token: str | None) -> Handler:
             return await handler(request)
         except BadRequest as exc:
             return _fail(exc)
-        except _ClientGone:  # logged once per period by read_json_body; nobody reads an answer
+        except _ClientGone:  # logged once per period by the body guard; nobody reads an answer
             return _error(400, "connection lost mid-body")
         except StorageError as exc:
             return _error(503, str(exc))
@@ -276,6 +272,7 @@ class _ApiHandlers:
 
     def __init__(self, agent: ApiAgent) -> None:
         self.agent = agent
+        self._bodies = body_guard(_refusals)
 
     async def check(self, request: web.Request) -> web.Response:
         return await self._decide(request, consume=True)
@@ -284,7 +281,7 @@ class _ApiHandlers:
         return await self._decide(request, consume=False)
 
     async def _decide(self, request: web.Request, consume: bool) -> web.Response:
-        checks, batch = _checks(await _body(request))
+        checks, batch = _checks(await read_json_body(request, self._bodies))
         limiter = self.agent.require_limiter()
         checks = _resolved(limiter, self.agent.config.rule_groups, checks)
         started = time.perf_counter()
@@ -309,7 +306,7 @@ class _ApiHandlers:
             metrics.decision_seconds.observe(share)
 
     async def reset(self, request: web.Request) -> web.Response:
-        checks, _ = _checks(await _body(request))
+        checks, _ = _checks(await read_json_body(request, self._bodies))
         limiter = self.agent.require_limiter()
         checks = _resolved(limiter, self.agent.config.rule_groups, checks)
         for c in checks:  # a batch with a refused item resets nothing
