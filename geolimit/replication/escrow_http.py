@@ -25,7 +25,7 @@ from geolimit.errors import (
 )
 from geolimit.replication import escrow_wire
 from geolimit.replication.auth import SEQ, Signer, Verifier
-from geolimit.replication.body_guard import BodyGuard
+from geolimit.replication.body_guard import BodyGuard, error_response
 from geolimit.replication.escrow import EscrowReplicator
 from geolimit.replication.escrow_io import refusal_reason
 from geolimit.replication.escrow_wire import ESCROW_PATH, EscrowMessage
@@ -96,9 +96,6 @@ class EscrowAgent(Protocol):
         """Seconds a peer's body may take to arrive (the gossip timeout)."""
 
 
-def _error(status: int, reason: str, message: str) -> web.Response:
-    return web.json_response({"error": message, "reason": reason}, status=status)
-
 
 def add_escrow_routes(app: web.Application, agent: EscrowAgent) -> None:
     refusals = RefusalLog(log)
@@ -114,10 +111,10 @@ def add_escrow_routes(app: web.Application, agent: EscrowAgent) -> None:
             return clock_refused(agent.engine, exc)
         except AuthenticationError as exc:
             refusals.warn("escrow message", request.remote, exc)
-            return _error(401, "auth", str(exc))
+            return error_response(401, "auth", str(exc))
         replicator = agent.escrow
         if replicator is None:
-            return _error(503, "starting", "agent is starting")
+            return error_response(503, "starting", "agent is starting")
         try:
             message = escrow_wire.decode(body)
             if message.sender != auth.sender:
@@ -125,13 +122,13 @@ def add_escrow_routes(app: web.Application, agent: EscrowAgent) -> None:
             reply = await replicator.receive(message, admit=lambda: agent.verifier.check_replay(auth))
         except AuthenticationError as exc:
             refusals.warn("escrow message", auth.sender, exc)
-            return _error(401, "auth", str(exc))
+            return error_response(401, "auth", str(exc))
         except ProtocolError as exc:
             replicator.stats["refused"] += 1
             refusals.warn("escrow message", auth.sender, exc)
-            return _error(400, refusal_reason(exc), str(exc))
+            return error_response(400, refusal_reason(exc), str(exc))
         except StorageError as exc:
-            return _error(503, "redis", str(exc))
+            return error_response(503, "redis", str(exc))
         payload = escrow_wire.encode(reply)
         headers = agent.signer.headers(payload, auth.sender, seq=int(request.headers[SEQ]), response=True)
         headers["Content-Type"] = CONTENT_TYPE

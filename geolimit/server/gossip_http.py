@@ -30,7 +30,7 @@ from aiohttp import web
 from geolimit.errors import AuthenticationError, ClockSkewError, ProtocolError, StorageError
 from geolimit.replication import wire
 from geolimit.replication.auth import SEQ
-from geolimit.replication.body_guard import BodyGuard
+from geolimit.replication.body_guard import BodyGuard, error_response
 from geolimit.replication.refusals import RefusalLog
 from geolimit.replication.transport import CONTENT_TYPE, GOSSIP_PATH, clock_refused
 from geolimit.server.routes_protocol import GossipAgent
@@ -39,9 +39,6 @@ __all__ = ["add_gossip_routes"]
 
 log = logging.getLogger("geolimit.agent")
 
-
-def _error(status: int, reason: str, message: str) -> web.Response:
-    return web.json_response({"error": message, "reason": reason}, status=status)
 
 
 def add_gossip_routes(app: web.Application, agent: GossipAgent) -> None:
@@ -62,7 +59,7 @@ def add_gossip_routes(app: web.Application, agent: GossipAgent) -> None:
         except AuthenticationError as exc:
             metrics.rejected.labels("auth").inc()
             refusals.warn("gossip", request.remote, exc)
-            return _error(401, "auth", str(exc))
+            return error_response(401, "auth", str(exc))
         sender = auth.sender
         try:
             message = wire.decode(body)
@@ -72,23 +69,23 @@ def add_gossip_routes(app: web.Application, agent: GossipAgent) -> None:
         except ProtocolError as exc:
             metrics.rejected.labels("decode").inc()
             refusals.warn("gossip", sender, exc)
-            return _error(400, "decode", str(exc))
+            return error_response(400, "decode", str(exc))
         engine = agent.engine
         if engine is None:
-            return _error(503, "starting", "agent is starting")
+            return error_response(503, "starting", "agent is starting")
         try:
             # The replay guard runs last, after every check: a refused message leaves no trace.
             reply = await engine.receive(message, admit=lambda: agent.verifier.check_replay(auth))
         except StorageError as exc:  # also the guard's: a replay cannot be ruled out
-            return _error(503, "redis", str(exc))
+            return error_response(503, "redis", str(exc))
         except AuthenticationError as exc:
             metrics.rejected.labels("auth").inc()
             refusals.warn("gossip", sender, exc)
-            return _error(401, "auth", str(exc))
+            return error_response(401, "auth", str(exc))
         except ProtocolError as exc:
             metrics.rejected.labels("decode").inc()
             refusals.warn("gossip", sender, exc)
-            return _error(400, "decode", str(exc))
+            return error_response(400, "decode", str(exc))
         payload = wire.encode(reply)
         headers = agent.signer.headers(payload, sender, seq=int(request.headers[SEQ]), response=True)
         headers["Content-Type"] = CONTENT_TYPE
