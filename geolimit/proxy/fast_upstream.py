@@ -346,6 +346,11 @@ class UpstreamPool:
             if conn.transport is not None:
                 conn.transport.close()
             return
+        # A relay may have paused its reading (the client's buffer was full) just as the body's
+        # last bytes arrived; the client's resume then found no relay to pass it on. A paused
+        # idle connection never reads the next answer: the next request on it hung until the
+        # upstream timeout (a 504 after 30 s, or the test's 120 s).
+        conn.resume()
         conn.idle_since = time.monotonic()
         idle.append(conn)
 
