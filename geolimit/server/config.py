@@ -59,7 +59,7 @@ __all__ = ["MAX_REDIS_TIMEOUT", "MAX_WORKERS", "AgentConfig", "PeerConfig", "TLS
 
 _SECTIONS = {
     "region": {"name", "redis_url", "listen", "secret_file", "key_prefix", "shards", "on_error", "api_listen", "api_token_file",
-               "redis_timeout", "workers", "rls_listen", "rls_config", "rls_fast_path"},
+               "redis_timeout", "workers", "rls_listen", "rls_config", "rls_fast_path", "rls_request_timeout"},
     "gossip": {"interval", "peers", "anti_entropy_interval", "max_message_bytes", "max_backoff", "timeout",
                "outbox_limit", "auth_window", "tls"},
     "log": LOG_KEYS,
@@ -68,6 +68,8 @@ _PEER_KEYS = {"name", "url"}
 _TLS_KEYS = {"cert_file", "key_file", "ca_file", "verify_peers"}
 #: The longest region.redis_timeout accepted, in seconds.
 MAX_REDIS_TIMEOUT = 60.0
+#: The longest region.rls_request_timeout accepted, in seconds.
+MAX_RLS_REQUEST_TIMEOUT = 300.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,8 @@ class AgentConfig:
     rls_listen: tuple[str, int] | None = None  # Envoy rate limit service (gRPC); None: off
     rls: RlsConfig | None = field(default=None, repr=False)  # its domains (their rules are in ``rules``)
     rls_fast_path: bool = True  # serve RLS with geolimit/server/rls/h2c.py (False: grpcio's core)
+    #: Seconds from an RLS request's HEADERS to the end of its stream (fast path); SIGHUP applies it.
+    rls_request_timeout: float = 10.0
     log_format: str = "text"
     log_level: str = "INFO"
     path: Path | None = None
@@ -165,11 +169,13 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
                               "its messages would go in plaintext; use https://")
     opts.update(_region_options(region, src, base, listen))
     opts.update(parse_log(logs, src))
-    if "rls_listen" in region or "rls_config" in region or "rls_fast_path" in region:
+    if _RLS_KEYS & region.keys():
         rls_listen, rls = _parse_rls(region, src, base, rules)
         opts.update(rls_listen=rls_listen, rls=rls)
         if "rls_fast_path" in region:
             opts["rls_fast_path"] = require(region, "rls_fast_path", bool, src, "region.rls_fast_path")
+        if "rls_request_timeout" in region:
+            opts["rls_request_timeout"] = _rls_request_timeout(region["rls_request_timeout"], src)
         rules += rls.rules
     config = AgentConfig(region=name, redis_url=redis_url, listen=listen, secret=secret, peers=peers, rules=rules,
                          path=path, rule_groups=groups, **opts)
@@ -240,11 +246,23 @@ def with_workers(config: AgentConfig, workers: object, where: str = "--workers")
     return replace(config, workers=count)
 
 
+_RLS_KEYS = {"rls_listen", "rls_config", "rls_fast_path", "rls_request_timeout"}
+
+
+def _rls_request_timeout(value: object, src: str) -> float:
+    seconds = parse_seconds(value, src, "region.rls_request_timeout")
+    if seconds > MAX_RLS_REQUEST_TIMEOUT:
+        raise ConfigError(f"{src}: region.rls_request_timeout must be at most {MAX_RLS_REQUEST_TIMEOUT:g} seconds, "
+                          f"got {value!r}")
+    return seconds
+
+
 def _parse_rls(region: Mapping[str, Any], src: str, base: Path,
                rules: tuple[Rule, ...]) -> tuple[tuple[str, int], RlsConfig]:
     """``region.rls_listen`` (``"host:port"``, or a bare port on 127.0.0.1) and the ``region.rls_config`` files."""
     if "rls_listen" not in region and "rls_config" not in region:
-        raise ConfigError(f"{src}: region.rls_fast_path needs region.rls_listen and region.rls_config "
+        key = min(_RLS_KEYS & region.keys())
+        raise ConfigError(f"{src}: region.{key} needs region.rls_listen and region.rls_config "
                           "(the Envoy rate limit service is off without them)")
     for key, other in (("rls_listen", "rls_config"), ("rls_config", "rls_listen")):
         if key not in region:

@@ -19,6 +19,9 @@ while its call was being decided stays counted until the call ends, so a flood o
 resets cannot pile up work: "rapid reset"). Bytes that break the
 protocol end the connection with GOAWAY (``PROTOCOL_ERROR`` and the like), as
 does a frame (or the preface) left incomplete for :data:`FRAME_TIMEOUT` seconds.
+A request whose stream has not ended :data:`REQUEST_TIMEOUT` seconds after its
+HEADERS (``[region] rls_request_timeout``) is answered ``DEADLINE_EXCEEDED`` and its
+stream reset, its bytes released (:mod:`geolimit.server.rls.h2deadline`).
 ``grpc-timeout`` is ignored: the client cancels a late call itself (RST_STREAM).
 """
 
@@ -27,13 +30,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import cast
 
 from geolimit.errors import GeolimitError
-from geolimit.server.rls.h2conn import H2Connection, Limits
+from geolimit.server.rls.h2conn import H2Connection, Limits, RequestDeadline
 
-__all__ = ["FRAME_TIMEOUT", "MAX_HEADER_LIST", "MAX_MESSAGE", "MAX_STREAMS", "FastCall", "FastServer"]
+__all__ = ["CLOCK", "FRAME_TIMEOUT", "MAX_HEADER_LIST", "MAX_MESSAGE", "MAX_STREAMS", "REQUEST_TIMEOUT", "FastCall",
+           "FastServer"]
 
 log = logging.getLogger("geolimit.agent")
 
@@ -41,6 +46,10 @@ MAX_MESSAGE = 4 * 1024 * 1024  # as grpcio's default receive limit
 MAX_HEADER_LIST = 16 * 1024
 MAX_STREAMS = 256
 FRAME_TIMEOUT = 30.0
+#: Seconds from a request's HEADERS to the end of its stream (the decision API's body deadline).
+REQUEST_TIMEOUT = 10.0
+#: The clock of request deadlines (monotonic seconds); tests inject their own.
+CLOCK: Callable[[], float] = time.monotonic
 
 
 class FastCall:
@@ -65,10 +74,15 @@ class FastCall:
 class FastServer:
     """Serves ``method`` (``/package.Service/Method``); ``handle`` runs in the loop and must not raise."""
 
-    def __init__(self, method: str, handle: Callable[[FastCall], None], *, limits: Limits | None = None) -> None:
+    def __init__(self, method: str, handle: Callable[[FastCall], None], *, limits: Limits | None = None,
+                 request_timeout: Callable[[], float] | None = None, timed_out: Callable[[int], None] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
+        """``request_timeout()``: each new stream's deadline (default :data:`REQUEST_TIMEOUT`);
+        ``timed_out(n)``: ``n`` requests were reset past it; ``clock``: default :data:`CLOCK`."""
         self._method = method.encode()
         self._handle = handle
         self.limits = limits or Limits(MAX_MESSAGE, MAX_HEADER_LIST, MAX_STREAMS, FRAME_TIMEOUT)
+        self.deadline = RequestDeadline(request_timeout or (lambda: REQUEST_TIMEOUT), clock or CLOCK, timed_out)
         self._server: asyncio.Server | None = None
         self.connections: set[H2Connection] = set()
         self._all_gone: asyncio.Event | None = None
@@ -79,7 +93,8 @@ class FastServer:
         loop = asyncio.get_running_loop()
         try:
             self._server = await loop.create_server(
-                lambda: H2Connection(self._method, self._dispatch, self.limits, self.connections, self._gone),
+                lambda: H2Connection(self._method, self._dispatch, self.limits, self.connections, self._gone,
+                                     self.deadline),
                 host, port, reuse_port=reuse_port or None, backlog=1024,
             )
         except OSError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from typing import cast
 
@@ -12,10 +13,11 @@ from hpack import HPACKError, OversizedHeaderListError
 
 from geolimit.server.rls import h2wire as w
 from geolimit.server.rls.h2control import _H2ConnectionError, control
-from geolimit.server.rls.h2send import Answering, Limits, Stream
+from geolimit.server.rls.h2deadline import RequestDeadline, Timers
+from geolimit.server.rls.h2send import Limits, Stream
 from geolimit.server.rls.h2wire import Error, FrameType
 
-__all__ = ["H2Connection", "Limits"]
+__all__ = ["H2Connection", "Limits", "RequestDeadline"]
 
 log = logging.getLogger("geolimit.agent")
 
@@ -31,14 +33,15 @@ _BLAME_ABOVE = 1 << 20  # (a real request is a few hundred bytes: below this, no
 _UNIMPLEMENTED, _RESOURCE_EXHAUSTED, _INTERNAL = 12, 8, 13
 
 
-class H2Connection(Answering, asyncio.Protocol):
+class H2Connection(Timers, asyncio.Protocol):
     """Server side of one connection; ``dispatch(conn, stream, request)`` gets each complete request."""
 
     def __init__(self, method: bytes, dispatch: Callable[[H2Connection, int, bytes], None], limits: Limits,
-                 registry: set[H2Connection], gone: Callable[[], None]) -> None:
+                 registry: set[H2Connection], gone: Callable[[], None], deadline: RequestDeadline) -> None:
         self._method = method
         self._dispatch = dispatch
         self._limits = limits
+        self._deadline = deadline
         self._registry = registry
         self._gone = gone
         self._loop = asyncio.get_running_loop()
@@ -69,6 +72,8 @@ class H2Connection(Answering, asyncio.Protocol):
         self.closed = False
         self._partial_since = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self._next_due = math.inf
+        self._due_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------
 
@@ -93,8 +98,7 @@ class H2Connection(Answering, asyncio.Protocol):
         self._gone()
         self._streams.clear()
         self._blocked.clear()
-        if self._timer is not None:
-            self._timer.cancel()
+        self._stop_timers()
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -147,6 +151,7 @@ class H2Connection(Answering, asyncio.Protocol):
                 total -= held - self._buffered
         if self._unacked >= _CONN_WINDOW // 4:
             self._replenish()
+        self._due_check()
         if buf or self._cont is not None:
             if not self._partial_since:
                 self._partial()
@@ -317,6 +322,8 @@ class H2Connection(Answering, asyncio.Protocol):
             self.fail(sid, _UNIMPLEMENTED, f"grpc-encoding {head.encoding[:32]!r} is not supported")
         elif stream.ended:
             self._request(sid, stream)
+        else:
+            self._opened(stream)
 
     def _request(self, sid: int, stream: Stream) -> None:
         """The request is complete: one uncompressed message goes to the handler."""
@@ -341,24 +348,6 @@ class H2Connection(Answering, asyncio.Protocol):
             self._write(w.window_update(0, self._unacked))
             self._recv_window += self._unacked
             self._unacked = 0
-
-    # -- timers ------------------------------------------------------------------------
-
-    def _partial(self) -> None:
-        """Bytes of an unfinished frame (or preface) arrived: they must be completed in time."""
-        self._partial_since = self._loop.time()
-        if self._timer is None:
-            self._timer = self._loop.call_later(self._limits.frame_timeout, self._check_partial)
-
-    def _check_partial(self) -> None:
-        self._timer = None
-        if self.closed or not self._partial_since:
-            return
-        late = self._partial_since + self._limits.frame_timeout - self._loop.time()
-        if late <= 0:
-            self._die(Error.PROTOCOL_ERROR, "a frame left incomplete")
-        else:
-            self._timer = self._loop.call_later(late, self._check_partial)
 
     @property
     def busy(self) -> bool:

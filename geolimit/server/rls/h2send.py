@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 
 from geolimit.server.rls import h2wire as w
@@ -24,7 +25,7 @@ class Limits:
 
 
 class Stream:
-    __slots__ = ("body", "ended", "handed", "pending", "recv_window", "send_window", "trailers")
+    __slots__ = ("body", "due", "ended", "handed", "pending", "recv_window", "send_window", "trailers")
 
     def __init__(self, send_window: int, recv_window: int) -> None:
         self.body: bytes | bytearray = b""
@@ -34,6 +35,7 @@ class Stream:
         self.send_window = send_window
         self.pending = b""  # DATA payload waiting for the peer's windows
         self.trailers = b""  # the trailers block to send after ``pending``
+        self.due = math.inf  # when an unfinished request must have ended its stream (loop-independent clock)
 
 
 class Answering:

@@ -84,6 +84,11 @@ class RlsServer:
             "geolimit_rls_request_seconds", "ShouldRateLimit latency (including Redis)",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=registry,
         )
+        self.request_timeouts = Counter(
+            "geolimit_rls_request_timeouts", "Rate limit service requests whose stream had not ended "
+            "region.rls_request_timeout after their HEADERS: answered DEADLINE_EXCEEDED and reset "
+            "(the HTTP/2 fast path)", registry=registry,
+        )
 
     async def start(self, address: tuple[str, int], reuse_port: bool = False) -> tuple[str, int]:
         """Bind ``address`` and serve; returns the bound ``(host, port)``."""
@@ -95,7 +100,8 @@ class RlsServer:
         server: UnaryServer | FastServer
         try:
             if self._agent.config.rls_fast_path:
-                server = FastServer(METHOD, self._received)
+                server = FastServer(METHOD, self._received, timed_out=self.request_timeouts.inc,
+                                    request_timeout=lambda: self._agent.config.rls_request_timeout)
                 bound = await server.listen(host, port, reuse_port)
             else:
                 server = UnaryServer(METHOD, self._received, options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
