@@ -42,16 +42,16 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import (
+from _agents import (
     AgentProcess,
     die_with_parent,
     free_port,
     log_problems,
-    quantile,
     statuses,
     stop_process,
     wait_agents_ready,
 )
+from _common import quantile
 
 from geolimit.core.rule import Rule
 from geolimit.errors import ConfigError

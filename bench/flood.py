@@ -28,7 +28,9 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import quantile, start_agent_processes, stop_process, wait_agents_ready
+from _agents import start_agent_processes, stop_process, wait_agents_ready
+from _common import quantile
+
 from geolimit.core.keys import KeyLayout
 from geolimit.core.window import SUBSTEPS
 from geolimit.replication import wire

@@ -32,31 +32,33 @@ import limits.strategies
 import redis
 import redis.asyncio
 from _common import (
-    Event,
     LoadMeter,
     Row,
     Server,
-    admission_stats,
     cleanup,
     commandstats,
     cpu_seconds,
     cycling,
     delete_prefix,
     interleave,
-    limits_swc_memory,
-    make_trace,
     median,
     open_server,
-    oracle_admit,
-    p1_diagnosis,
     paired_ratio,
     print_table,
     quantile,
-    replay_limits_memory,
     require,
     script_stats,
     source_state,
     us,
+)
+from _trace import (
+    Event,
+    admission_stats,
+    limits_swc_memory,
+    make_trace,
+    oracle_admit,
+    p1_diagnosis,
+    replay_limits_memory,
 )
 
 from geolimit import AsyncLimiter, Limiter, ManualClock, Rule

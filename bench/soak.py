@@ -37,14 +37,13 @@ from typing import Any
 
 import aiohttp
 import redis.asyncio
-from _common import (
+from _agents import (
     AgentProcess,
     LoadResult,
     LoadSpec,
     LoadWatch,
     agent_json,
     agent_toml_rule,
-    busy_seconds,
     call_latency,
     cell_totals_at,
     cpu_per_decision,
@@ -52,19 +51,18 @@ from _common import (
     failures,
     log_problems,
     proc_cpu_seconds,
-    quantile,
     rate,
     read_usages,
     redis_cpu_seconds,
     rss_mib,
     run_load,
     soak_subject,
-    source_state,
     start_agent_processes,
     statuses,
     stop_process,
     wait_agents_ready,
 )
+from _common import busy_seconds, quantile, source_state
 
 from geolimit import AsyncLimiter, Rule
 from geolimit.core.keys import KeyLayout
