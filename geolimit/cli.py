@@ -9,6 +9,7 @@ from typing import Any
 
 from geolimit import __version__, cli_args, cli_local
 from geolimit.errors import GeolimitError
+from geolimit.toml_config import MAX_WORKERS
 
 __all__ = ["main"]
 
@@ -256,15 +257,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="region TOML file")
     p.add_argument("--flush-timeout", type=cli_args.seconds_within(0), default=2.0,
                    help="seconds to deliver outboxes on SIGTERM, 0 or more (default: %(default)s)")
-    p.add_argument("--workers", type=cli_args.int_within(1, 64), default=None, metavar="N",  # toml_config.MAX_WORKERS
-                   help="worker processes for this region, 1 to 64 (overrides [region] workers; default 1)")
+    p.add_argument("--workers", type=cli_args.int_within(1, MAX_WORKERS), default=None, metavar="N",
+                   help=f"worker processes for this region, 1 to {MAX_WORKERS} (overrides [region] workers; default 1)")
     p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by the supervisor
     p.set_defaults(handler=_cmd_agent)
 
     p = sub.add_parser("proxy", help="run the rate-limiting HTTP reverse proxy")
     p.add_argument("--config", required=True, help="proxy TOML file")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="proxy processes sharing the port, 1 to 64 (overrides [proxy] workers; default 1)")
+    p.add_argument("--workers", type=cli_args.int_within(1, MAX_WORKERS), default=None, metavar="N",
+                   help=f"proxy processes sharing the port, 1 to {MAX_WORKERS} (overrides [proxy] workers; default 1)")
     p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by the supervisor
     p.set_defaults(handler=_cmd_proxy)
 

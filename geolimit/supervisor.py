@@ -78,8 +78,9 @@ class Supervisor:
     worker stopped cleanly, else 1. ``async with Supervisor(...)`` starts and stops.
     ``name`` starts its log messages ("agent us-east", "proxy"); ``args`` follow
     the worker's ``--worker-index``; ``command`` is how to run ``geolimit``.
-    ``listens`` are the ``(setting, (host, port))`` addresses the workers share:
-    ``start()`` raises :class:`GeolimitError` naming the first one it cannot bind.
+    ``listens`` are the ``(setting, (host, port))`` addresses the workers share (an
+    address of None, a setting left out, is skipped): ``start()`` raises
+    :class:`GeolimitError` naming the first one it cannot bind.
     """
 
     def __init__(
@@ -96,7 +97,7 @@ class Supervisor:
         first_backoff: float = 0.5,
         max_backoff: float = 10.0,
         command: Sequence[str] | None = None,
-        listens: Sequence[tuple[str, tuple[str, int]]] = (),
+        listens: Sequence[tuple[str, tuple[str, int] | None]] = (),
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(f"workers must be a positive integer, got {workers!r}")
@@ -111,7 +112,7 @@ class Supervisor:
         self.first_backoff = first_backoff
         self.max_backoff = max_backoff
         self.command = list(command) if command is not None else [sys.executable, "-m", "geolimit"]
-        self.listens = list(listens)
+        self.listens = [(key, address) for key, address in listens if address is not None]
         self._workers: list[_Worker] = []
         self._stopping = asyncio.Event()
         self._gave_up = asyncio.Event()

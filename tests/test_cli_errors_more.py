@@ -1,9 +1,10 @@
-"""The numeric flags of ``geolimit agent``, ``demo`` and ``bench accuracy``: a value out of range
-is a usage error naming the flag (exit 2, one line, nothing started), as in test_cli_errors.py.
+"""The numeric flags of ``geolimit agent``, ``proxy``, ``demo`` and ``bench accuracy``: a value out of
+range is a usage error naming the flag (exit 2, one line, nothing started), as in test_cli_errors.py.
 
 Once, ``agent --flush-timeout -1`` was a runtime error (exit 1) not naming the flag,
 ``bench accuracy --duration 0`` or ``-5`` ran the whole suite for nothing, ``--duration nan``
-never ended, and ``demo`` checked its flags only after parsing, in its own words.
+never ended, ``demo`` checked its flags only after parsing, in its own words, and ``proxy
+--workers two`` was argparse's "invalid int value", ``--workers 0`` a config error (exit 1).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from geolimit.sim.report import run_accuracy_bench
 from tests.support.cli_usage import assert_usage_error, run_cli
 
 AGENT = ["agent", "--config", "region.toml"]  # a usage error comes before the config is read
+PROXY = ["proxy", "--config", "proxy.toml"]
 CASES = [
     *(("agent", AGENT, "--flush-timeout", v, "a number of seconds of at least 0")
       for v in ("-1", "-0.5", "nan", "inf", "soon")),
     *(("agent", AGENT, "--workers", v, "a whole number from 1 to 64") for v in ("0", "65", "-1", "two")),
+    *(("proxy", PROXY, "--workers", v, "a whole number from 1 to 64") for v in ("0", "65", "-1", "two", "1.5")),
     *(("demo", ["demo"], "--seconds", v, "a number of seconds from 3 to 86400")
       for v in ("0", "-1", "2.5", "nan", "inf", "86400.5", "1e9")),
     *(("demo", ["demo"], "--latency", v, "a number of seconds from 0 to 5") for v in ("-0.01", "5.5", "nan", "inf")),

@@ -122,6 +122,11 @@ class ProxyConfig:
         if not self.upstreams:
             raise ConfigError("at least one upstream is needed")
 
+    @property
+    def listens(self) -> tuple[tuple[str, tuple[str, int] | None], ...]:
+        """The addresses the workers share, by setting (None: not set)."""
+        return ("proxy.listen", self.listen), ("proxy.admin_listen", self.admin_listen)
+
 
 def load_proxy_config(path: str | os.PathLike[str]) -> ProxyConfig:
     """Read and validate a proxy TOML file (:class:`~geolimit.errors.ConfigError` naming key and file)."""
@@ -164,7 +169,7 @@ def with_workers(config: ProxyConfig, workers: object, where: str = "--workers")
     From 1 to :data:`MAX_WORKERS`; several workers share the listen addresses
     (SO_REUSEPORT), so those need fixed ports.
     """
-    count = check_workers(workers, where, (("proxy.listen", config.listen), ("proxy.admin_listen", config.admin_listen)))
+    count = check_workers(workers, where, config.listens)
     return replace(config, workers=count)
 
 

@@ -7,8 +7,10 @@ stays. Exit 1 when the proxy cannot start (bad config, port in use).
 
 With ``workers`` > 1 (``[proxy] workers`` or ``--workers``) this process is a
 supervisor (geolimit/supervisor.py) of that many proxy processes sharing the
-listeners with ``SO_REUSEPORT``: it forwards the signals above to each, restarts
-a worker that dies, and gives up (exit 1) on one that keeps crashing.
+listeners with ``SO_REUSEPORT``: it binds ``listen`` and ``admin_listen`` once before
+starting any worker (a port another process holds is one error and exit 1, not a
+crash loop of workers that cannot bind it), forwards the signals above to each,
+restarts a worker that dies, and gives up (exit 1) on one that keeps crashing.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ async def _serve(config: ProxyConfig, path: str, worker_index: int | None = None
 async def _serve_workers(config: ProxyConfig, path: str, pinned: bool) -> int:
     """The supervisor of ``config.workers`` proxy processes (``pinned``: --workers was given)."""
     supervisor = Supervisor("proxy", path, config.workers, name="proxy",
-                            stop_timeout=config.shutdown_timeout + STOP_GRACE + 5.0)
+                            stop_timeout=config.shutdown_timeout + STOP_GRACE + 5.0, listens=config.listens)
 
     async def hangup() -> None:
         supervisor.reload()  # each worker re-reads the file and keeps its settings if it is invalid
