@@ -9,6 +9,7 @@ A complete file (every key; only ``[proxy] upstreams``, one of ``redis_url`` /
     upstreams = ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]   # round robin
     connect_timeout = "5s"                # connecting to an upstream (default 5 s)
     timeout = "30s"                       # upstream silence: until headers -> 504 (default 30 s)
+    body_timeout = "30s"                  # waiting for a request body, + 1 s per 64 KiB received -> 408
     retry_connect = true                  # next upstream on connect failure (bodiless idempotent requests)
     preserve_host = false                 # false: Host = the upstream's; true: the client's
     fast_path = true                      # serve common requests without aiohttp (http:// upstreams only)
@@ -77,8 +78,8 @@ from geolimit.toml_config import (
 __all__ = ["MAX_WORKERS", "ProxyConfig", "load_proxy_config", "parse_proxy_config", "with_workers"]
 
 _PROXY_KEYS = {
-    "listen", "admin_listen", "upstreams", "connect_timeout", "timeout", "retry_connect", "preserve_host", "fast_path",
-    "trusted_proxies", "legacy_headers", "max_body", "shutdown_timeout", "region", "redis_url", "agent_url",
+    "listen", "admin_listen", "upstreams", "connect_timeout", "timeout", "body_timeout", "retry_connect",
+    "preserve_host", "fast_path", "trusted_proxies", "legacy_headers", "max_body", "shutdown_timeout", "region", "redis_url", "agent_url",
     "agent_token_file", "decision_timeout", "key_prefix", "shards", "workers",
 }
 _ROUTE_KEYS = {"path", "methods", "limits"}
@@ -99,6 +100,7 @@ class ProxyConfig:
     admin_listen: tuple[str, int] | None = None
     connect_timeout: float = 5.0
     timeout: float = 30.0
+    body_timeout: float = 30.0  # seconds waiting for a request body (+1 s per BODY_RATE bytes received)
     retry_connect: bool = True
     preserve_host: bool = False
     fast_path: bool = True  # geolimit/proxy/fast_server.py (off for https upstreams)
@@ -183,7 +185,7 @@ def _proxy_options(proxy: Mapping[str, Any], src: str) -> dict[str, Any]:
         listen = opts.get("listen", ("127.0.0.1", 8080))
         if opts["admin_listen"] == listen and listen[1] != 0:
             raise ConfigError(f"{src}: proxy.admin_listen must differ from proxy.listen ({listen[0]}:{listen[1]})")
-    for key in ("connect_timeout", "timeout", "shutdown_timeout", "decision_timeout"):
+    for key in ("connect_timeout", "timeout", "body_timeout", "shutdown_timeout", "decision_timeout"):
         if key in proxy:
             opts[key] = parse_seconds(proxy[key], src, f"proxy.{key}")
     for key in ("retry_connect", "preserve_host", "legacy_headers", "fast_path"):

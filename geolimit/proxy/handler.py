@@ -3,11 +3,18 @@
 Bodies are streamed both ways (at most one read buffer per direction in memory);
 only bodies whose ``Content-Length`` is at most :data:`SMALL_BODY` bytes are read
 whole, which saves a few event-loop round trips per request. Errors are RFC 9457
-``application/problem+json``: 400 (unreadable cost), 413 (over ``max_body``),
-429 (rate limited), 502 (upstream unreachable or broken), 503 (a fail-closed
+``application/problem+json``: 400 (unreadable cost), 408 (the body did not arrive
+within ``body_timeout``), 413 (over ``max_body``), 429 (rate limited), 502 (upstream unreachable or broken), 503 (a fail-closed
 limit could not be decided), 504 (upstream timeout). An upstream failure after
 the response has started aborts the client's connection, so a truncated
 response never looks complete.
+
+Body deadline: the time the proxy spends waiting for the client's body (not for the
+upstream to take it) may be ``body_timeout`` seconds (30 s: the fast path's for a
+head and its small body), plus one second for every :data:`BODY_RATE` bytes received,
+so an upload that moves keeps going and a trickle does not: past it, the upstream
+exchange is abandoned (its connection closed) and the client gets 408, connection
+closed.
 
 Retries: a request goes to the next upstream (round robin) only when connecting
 failed, its method is idempotent and its body is not being streamed (no body,
@@ -21,7 +28,7 @@ import logging
 from collections.abc import AsyncIterator, Iterable
 
 import aiohttp
-from aiohttp import web
+from aiohttp import StreamReader, web
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -32,11 +39,13 @@ from geolimit.proxy.forwarding import request_headers, response_headers
 from geolimit.proxy.metrics import ProxyMetrics
 from geolimit.proxy.state import State, Upstream, upstream_for
 
-__all__ = ["SMALL_BODY", "Forwarder", "State", "Upstream", "problem", "upstream_for"]
+__all__ = ["BODY_RATE", "SMALL_BODY", "Forwarder", "State", "Upstream", "problem", "upstream_for"]
 
 log = logging.getLogger("geolimit.proxy")
 
 SMALL_BODY = 64 * 1024
+#: Bytes of a request body that buy one more second of ``body_timeout``.
+BODY_RATE = 64 * 1024
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 _NO_BODY_STATUS = frozenset({204, 304})
 
@@ -47,6 +56,51 @@ class _BodyTooLarge(Exception):
 
 class _ClientGone(Exception):
     """The client went away while the proxy read its body."""
+
+
+class _BodyTimeout(asyncio.TimeoutError):
+    """The request body did not arrive in time (raised by the body's reads once its deadline passed).
+
+    A TimeoutError: aiohttp's server, which reads what is left of a body after the answer
+    (lingering), stops there and closes, where another exception is logged as unhandled."""
+
+
+class _BodyDeadline:
+    """``seconds`` of waiting for the client's body, plus one per :data:`BODY_RATE` bytes received;
+    then the body's reads raise :class:`_BodyTimeout`. Only the time spent waiting for the client
+    counts (:meth:`waiting` to :meth:`got`), not the time the upstream takes to accept what came."""
+
+    def __init__(self, content: StreamReader, seconds: float) -> None:
+        self._content = content
+        self.seconds = seconds
+        self._loop = asyncio.get_running_loop()
+        self._waited = 0.0
+        self._since: float | None = None
+        self.expired = False
+        self._timer = self._loop.call_later(seconds, self._check)
+
+    def waiting(self) -> None:
+        self._since = self._loop.time()
+
+    def got(self) -> None:
+        if self._since is not None:
+            self._waited += self._loop.time() - self._since
+            self._since = None
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        waited = self._waited + (now - self._since if self._since is not None else 0.0)
+        left = self.seconds + self._content.total_bytes / BODY_RATE - waited
+        if self._content.is_eof():
+            return  # all of it arrived
+        if left > 0:
+            self._timer = self._loop.call_later(left, self._check)
+            return
+        self.expired = True
+        self._content.set_exception(_BodyTimeout())
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 def _origin_form(raw_target: str) -> str | None:
@@ -102,15 +156,22 @@ class Forwarder:
             resp.force_close()
         return resp
 
-    async def _body(self, request: web.BaseRequest, limit: int | None, failure: list[str]) -> AsyncIterator[bytes]:
+    async def _body(self, request: web.BaseRequest, limit: int | None, failure: list[str],
+                    deadline: _BodyDeadline) -> AsyncIterator[bytes]:
         total = 0
         content = request.content
         while True:
+            deadline.waiting()
             try:
                 chunk = await content.readany()
+            except _BodyTimeout:
+                failure.append("body_timeout")
+                raise
             except Exception:
                 failure.append("client")
                 raise
+            finally:
+                deadline.got()
             if not chunk:
                 return
             total += len(chunk)
@@ -126,11 +187,23 @@ class Forwarder:
         target = _origin_form(request.raw_path)
         if target is None:
             return problem(400, "Bad Request", "the request target must be a path", "/", extra)
+        if not request.body_exists:
+            return await self._exchange(state, request, extra, target, None)
+        deadline = _BodyDeadline(request.content, state.config.body_timeout)
+        try:
+            return await self._exchange(state, request, extra, target, deadline)
+        finally:
+            deadline.cancel()
+
+    async def _exchange(self, state: State, request: web.BaseRequest, extra: Iterable[tuple[str, str]],
+                        target: str, deadline: _BodyDeadline | None) -> web.StreamResponse:
         failure: list[str] = []
         try:
-            data = await self._request_body(request, state.config.max_body, failure)
+            data = await self._request_body(request, state.config.max_body, failure, deadline)
         except _ClientGone:
             return self._client_gone(request, "while sending its body")
+        except _BodyTimeout:
+            return self._body_late(request, state.config, extra)
         headers = request_headers(
             request.headers, peer=request.remote, scheme=request.scheme, trusted=state.trusted,
             upstream_host=None, content_length=request.content_length,
@@ -153,20 +226,25 @@ class Forwarder:
                 upstream.release()  # back to the pool if the exchange completed, else closed
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _request_body(self, request: web.BaseRequest, limit: int | None,
-                            failure: list[str]) -> bytes | AsyncIterator[bytes] | None:
-        """None (no body), a small body read whole, or a stream (raises _ClientGone)."""
-        if not request.body_exists:
+    async def _request_body(self, request: web.BaseRequest, limit: int | None, failure: list[str],
+                            deadline: _BodyDeadline | None) -> bytes | AsyncIterator[bytes] | None:
+        """None (no body), a small body read whole, or a stream (raises _ClientGone, _BodyTimeout)."""
+        if deadline is None:
             return None
         if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         length = request.content_length
         if length is None or length > SMALL_BODY:
-            return self._body(request, limit, failure)
+            return self._body(request, limit, failure, deadline)
+        deadline.waiting()
         try:
             return await request.read()
+        except _BodyTimeout:
+            raise
         except (ConnectionError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _ClientGone from exc
+        finally:
+            deadline.got()
 
     def candidates(self, state: State, method: str,
                     data: bytes | AsyncIterator[bytes] | None) -> list[Upstream]:
@@ -214,6 +292,8 @@ class Forwarder:
         if "too_large" in failure:
             return self._unread(request, problem(
                 413, "Content Too Large", f"the body exceeds {config.max_body} bytes", request.path, extra))
+        if "body_timeout" in failure:
+            return self._body_late(request, config, extra)
         if "client" in failure:
             return self._client_gone(request, "while sending its body")
         if isinstance(exc, asyncio.TimeoutError):
@@ -227,6 +307,16 @@ class Forwarder:
                     type(exc).__name__, exc)
         return self._unread(request, problem(502, "Bad Gateway", "the upstream failed to answer", request.path,
                                              extra))
+
+    def _body_late(self, request: web.BaseRequest, config: ProxyConfig,
+                   extra: Iterable[tuple[str, str]]) -> web.StreamResponse:
+        """408: the body did not arrive in time; the connection closes after the answer."""
+        log.debug("client %s: request body of %s %s not in within %gs", request.remote, request.method,
+                  request.path, config.body_timeout)
+        resp = problem(408, "Request Timeout", f"the request body did not arrive within {config.body_timeout:g}s",
+                       request.path, extra)
+        resp.force_close()
+        return resp
 
     @staticmethod
     def _client_gone(request: web.BaseRequest, when: str) -> web.StreamResponse:

@@ -30,6 +30,7 @@ def test_the_documented_example_parses_with_every_key(tmp_path: Path) -> None:
     assert config.upstreams == ("http://127.0.0.1:9000", "http://127.0.0.1:9001")
     assert (config.connect_timeout, config.timeout, config.shutdown_timeout, config.decision_timeout) == (
         5.0, 30.0, 10.0, 1.0)
+    assert config.body_timeout == 30.0
     assert (config.retry_connect, config.preserve_host, config.legacy_headers) == (True, False, False)
     assert config.trusted_proxies == ("10.0.0.0/8",)
     assert config.max_body == 10485760
@@ -59,6 +60,7 @@ def test_minimal_agent_mode_file_and_defaults(tmp_path: Path) -> None:
     assert config.listen == ("127.0.0.1", 8080), "loopback by default"
     assert config.admin_listen is None
     assert config.max_body is None
+    assert config.body_timeout == 30.0, "a request body must arrive within 30 s (+1 s per 64 KiB) by default"
     assert config.routes[0].limits[0].shadow
     assert config.routes[1].limits == ()
 
@@ -96,6 +98,7 @@ CASES = [
     ("proxy.listen", "8080", "proxy.listen: expected 'host:port'"),
     ("proxy.admin_listen", "127.0.0.1:8080", "proxy.admin_listen must differ from proxy.listen"),
     ("proxy.timeout", -1, "proxy.timeout must be a positive number of seconds"),
+    ("proxy.body_timeout", 0, "proxy.body_timeout must be a positive number of seconds"),
     ("proxy.connect_timeout", "soon", "proxy.connect_timeout"),
     ("proxy.retry_connect", "yes", "proxy.retry_connect must be a bool"),
     ("proxy.trusted_proxies", ["10.0.0.0/33"], "proxy.trusted_proxies: invalid trusted proxy"),
