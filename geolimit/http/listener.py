@@ -2,9 +2,11 @@
 
 :func:`listen` binds the sockets itself (``SO_REUSEADDR``, and ``SO_REUSEPORT``
 when several worker processes share the port, so the kernel spreads the
-connections over them) and serves each through a :class:`aiohttp.web.SockSite`.
-It returns the bound address, which is how a listener on port 0 learns its port.
-Only public aiohttp API is used.
+connections over them) and serves them under a
+:class:`~geolimit.http.connections.ListenerGuard`: a deadline for each request head
+and a cap on open connections (aiohttp has neither). It returns the bound address,
+which is how a listener on port 0 learns its port. Only public aiohttp API is used
+(a :class:`aiohttp.web.BaseSite` subclass, as aiohttp's own sites are).
 
 :func:`run_event_loop` is :func:`asyncio.run` on uvloop when it is installed
 (the ``fast`` extra: ``pip install 'geolimit[fast]'``), else on asyncio's own loop.
@@ -20,6 +22,8 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from aiohttp import web
+
+from geolimit.http.connections import ListenerGuard
 
 __all__ = ["bind_sockets", "listen", "run_event_loop"]
 
@@ -66,17 +70,22 @@ async def listen(
     ssl_context: ssl.SSLContext | None = None,
     reuse_port: bool = False,
     backlog: int = 1024,
+    guard: ListenerGuard | None = None,
 ) -> tuple[str, int]:
     """Serve ``runner`` (already set up) on ``host:port``; the first bound ``(host, port)``.
 
-    The sites belong to ``runner``: ``runner.cleanup()`` closes them.
+    ``guard``: the listener's head deadline and connection cap (default: a guard of
+    its own with the defaults). The sites belong to ``runner``: ``runner.cleanup()``
+    closes them.
     """
     sockets = bind_sockets(host, port, reuse_port=reuse_port)
     address: tuple[str, int] = sockets[0].getsockname()[:2]
+    guard = guard or ListenerGuard("HTTP")
+    guard.where = f"{address[0]}:{address[1]}"
     started = 0
     try:
         for sock in sockets:
-            await web.SockSite(runner, sock, ssl_context=ssl_context, backlog=backlog).start()
+            await guard.site(runner, sock, ssl_context=ssl_context, backlog=backlog).start()
             started += 1
     except BaseException:
         for sock in sockets[started:]:  # the started sites own (and close) theirs

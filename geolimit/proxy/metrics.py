@@ -8,6 +8,8 @@
 ``geolimit_proxy_upstream_errors_total{upstream,kind}``   connect, timeout, protocol, body_aborted
 ``geolimit_proxy_in_flight``                              requests being handled
 ``geolimit_proxy_reloads_total{result}``                  SIGHUP reloads: ok, refused
+``geolimit_proxy_connections_dropped_total``              aiohttp's connections closed: over the cap
+``{listener,reason}``                                     (connection_limit), no head in time (head_timeout)
 ========================================================  =============================================
 
 Unmatched requests are labelled with route ``""``. The request path only bumps
@@ -33,6 +35,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from geolimit.http.connections import ListenerGuard
 from geolimit.worker_metrics import SharedMetrics
 
 __all__ = ["CONTENT_TYPE", "ProxyMetrics"]
@@ -58,6 +61,7 @@ class ProxyMetrics(Collector):
         self.latency: dict[str, _Histogram] = {}
         self.upstream_errors: dict[tuple[str, str], int] = {}
         self.reloads: dict[str, int] = {}
+        self.connections_dropped: dict[tuple[str, str], int] = {}
         self.in_flight = 0
         self.registry = CollectorRegistry()
         self.registry.register(self)
@@ -96,6 +100,16 @@ class ProxyMetrics(Collector):
     def reload(self, result: str) -> None:
         self.reloads[result] = self.reloads.get(result, 0) + 1
 
+    def watch_listener(self, guard: ListenerGuard) -> ListenerGuard:
+        """Count the connections ``guard`` closes, by its label."""
+
+        def dropped(reason: str) -> None:
+            key = (guard.label, reason)
+            self.connections_dropped[key] = self.connections_dropped.get(key, 0) + 1
+
+        guard.dropped = dropped
+        return guard
+
     # -- scrape ------------------------------------------------------------------------------
 
     def collect(self) -> Iterator[Metric]:
@@ -122,7 +136,12 @@ class ProxyMetrics(Collector):
         reloads = CounterMetricFamily("geolimit_proxy_reloads", "Configuration reloads", labels=["result"])
         for result, value in list(self.reloads.items()):
             reloads.add_metric([result], value)
-        yield from (decisions, responses, latency, errors, reloads)
+        dropped = CounterMetricFamily("geolimit_proxy_connections_dropped", "Connections aiohttp's listeners closed: "
+                                      "over the cap (connection_limit), no request head in time (head_timeout)",
+                                      labels=["listener", "reason"])
+        for (listener, reason), value in list(self.connections_dropped.items()):
+            dropped.add_metric([listener, reason], value)
+        yield from (decisions, responses, latency, errors, reloads, dropped)
         yield GaugeMetricFamily("geolimit_proxy_in_flight", "Requests being handled", value=self.in_flight)
 
     def render(self) -> bytes:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import fields
 
 import aiohttp
@@ -30,6 +31,7 @@ from aiohttp.http import SERVER_SOFTWARE
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.errors import ConfigError, GeolimitError, StorageError
 from geolimit.http.agent_client import AgentClient, AgentRules
+from geolimit.http.connections import ListenerGuard, default_max_connections
 from geolimit.http.guard import Guard
 from geolimit.http.keys import trusted_networks
 from geolimit.http.listener import bind_sockets, listen
@@ -37,7 +39,7 @@ from geolimit.proxy.agent_rules import RETRY_INTERVAL, resolve_routes
 from geolimit.proxy.config import ProxyConfig
 from geolimit.proxy.decider import ProxyDecider
 from geolimit.proxy.fast_forward import FastForwarder
-from geolimit.proxy.fast_server import FastServer
+from geolimit.proxy.fast_server import HEAD_TIMEOUT, FastServer
 from geolimit.proxy.fast_upstream import UpstreamPool
 from geolimit.proxy.handler import SMALL_BODY, Forwarder, State, upstream_for
 from geolimit.proxy.metrics import CONTENT_TYPE, ProxyMetrics
@@ -134,14 +136,18 @@ class Proxy:
         if cfg.admin_listen is not None:
             runners.append((web.AppRunner(self._admin_app(), access_log=None, handle_signals=False),
                             cfg.admin_listen))
+        cap = default_max_connections(len(runners))  # each listener's share of RLIMIT_NOFILE
         try:
             for i, (runner, (host, port)) in enumerate(runners):
                 await runner.setup()
                 self._runners.append(runner)
+                # aiohttp's connections: a head within the fast path's HEAD_TIMEOUT, at most `cap` open
+                guard = self.metrics.watch_listener(ListenerGuard(
+                    "admin_listen" if i else "listen", head_timeout=lambda: HEAD_TIMEOUT, max_connections=lambda: cap))
                 if i == 0 and self._fast_path():
-                    self._addresses.append(await self._serve_fast(server, host, port))
+                    self._addresses.append(await self._serve_fast(guard.protocol_factory(server), host, port))
                 else:
-                    self._addresses.append(await listen(runner, host, port, reuse_port=self.reuse_port))
+                    self._addresses.append(await listen(runner, host, port, reuse_port=self.reuse_port, guard=guard))
         except OSError as exc:
             await self._close()
             raise GeolimitError(f"proxy: cannot listen: {exc}") from exc
@@ -157,8 +163,8 @@ class Proxy:
         """The fast path serves the listener unless turned off or an upstream needs TLS."""
         return self.config.fast_path and all(u.startswith("http://") for u in self.config.upstreams)
 
-    async def _serve_fast(self, server: web.Server, host: str, port: int) -> tuple[str, int]:
-        """The proxied listener on the fast path; ``server`` (aiohttp) gets the requests it hands off."""
+    async def _serve_fast(self, handoff: Callable[[], asyncio.Protocol], host: str, port: int) -> tuple[str, int]:
+        """The proxied listener on the fast path; ``handoff()`` (aiohttp's) gets the connections it hands off."""
         assert self.forwarder is not None
         sockets = bind_sockets(host, port, reuse_port=self.reuse_port)
         address: tuple[str, int] = sockets[0].getsockname()[:2]
@@ -167,7 +173,7 @@ class Proxy:
             max_body = self.config.max_body
             return SMALL_BODY if max_body is None else min(SMALL_BODY, max_body)
 
-        fast = FastServer(FastForwarder(self.forwarder, UpstreamPool()), server, body_limit, SERVER_SOFTWARE)
+        fast = FastServer(FastForwarder(self.forwarder, UpstreamPool()), handoff, body_limit, SERVER_SOFTWARE)
         self._fast = fast
         try:
             await fast.serve(sockets)

@@ -26,6 +26,7 @@ from geolimit.aio import cancel_and_wait
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.core.clock import Clock, micros_source
 from geolimit.errors import ConfigError, GeolimitError, StorageError
+from geolimit.http.connections import ListenerGuard, default_max_connections
 from geolimit.http.listener import listen
 from geolimit.replication.auth import Signer, Verifier
 from geolimit.replication.escrow import EscrowReplicator
@@ -51,7 +52,6 @@ __all__ = ["Agent"]
 #: Seconds a stopping agent waits for the HTTP requests in progress.
 STOP_GRACE = 3.0
 log = logging.getLogger("geolimit.agent")
-
 
 
 class Agent:
@@ -141,22 +141,26 @@ class Agent:
         add_gossip_routes(gossip_app, self)
         add_escrow_routes(gossip_app, self)
         add_health_routes(gossip_app, self)
-        apps = [(gossip_app, cfg.listen, cfg.tls.server_context() if cfg.tls else None)]
+        apps = [("listen", gossip_app, cfg.listen, cfg.tls.server_context() if cfg.tls else None)]
         if cfg.api_listen is None:
             add_api_routes(gossip_app, self)
         else:
             api_app = web.Application()
             add_api_routes(api_app, self)
             add_health_routes(api_app, self)
-            apps.append((api_app, cfg.api_listen, None))
+            apps.append(("api_listen", api_app, cfg.api_listen, None))
+        cap = default_max_connections(len(apps))  # each listener's share of RLIMIT_NOFILE
         try:
-            for app, (host, port), ssl_ctx in apps:
+            for label, app, (host, port), ssl_ctx in apps:
                 # A stop waits this long for requests in progress (aiohttp's default: 60 s); a peer
                 # whose message is cut off keeps it queued and sends it again.
                 runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=STOP_GRACE)
                 await runner.setup()
                 self._runners.append(runner)
-                self._addresses.append(await listen(runner, host, port, ssl_context=ssl_ctx,
+                guard = self.metrics.watch_listener(ListenerGuard(  # a reload applies both
+                    label, head_timeout=lambda: self.config.head_timeout,
+                    max_connections=lambda: self.config.max_connections or cap))
+                self._addresses.append(await listen(runner, host, port, ssl_context=ssl_ctx, guard=guard,
                                                     reuse_port=cfg.workers > 1))  # the workers share the port
             if cfg.rls_listen is not None:
                 await self._start_rls(cfg.rls_listen)

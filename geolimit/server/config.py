@@ -59,7 +59,8 @@ __all__ = ["MAX_REDIS_TIMEOUT", "MAX_WORKERS", "AgentConfig", "PeerConfig", "TLS
 
 _SECTIONS = {
     "region": {"name", "redis_url", "listen", "secret_file", "key_prefix", "shards", "on_error", "api_listen", "api_token_file",
-               "redis_timeout", "workers", "rls_listen", "rls_config", "rls_fast_path", "rls_request_timeout"},
+               "redis_timeout", "workers", "rls_listen", "rls_config", "rls_fast_path", "rls_request_timeout",
+               "head_timeout", "max_connections"},
     "gossip": {"interval", "peers", "anti_entropy_interval", "max_message_bytes", "max_backoff", "timeout",
                "outbox_limit", "auth_window", "tls"},
     "log": LOG_KEYS,
@@ -68,6 +69,8 @@ _PEER_KEYS = {"name", "url"}
 _TLS_KEYS = {"cert_file", "key_file", "ca_file", "verify_peers"}
 #: The longest region.redis_timeout accepted, in seconds.
 MAX_REDIS_TIMEOUT = 60.0
+#: The longest region.head_timeout accepted, in seconds.
+MAX_HEAD_TIMEOUT = 300.0
 #: The longest region.rls_request_timeout accepted, in seconds.
 MAX_RLS_REQUEST_TIMEOUT = 300.0
 
@@ -128,6 +131,11 @@ class AgentConfig:
     rls_fast_path: bool = True  # serve RLS with geolimit/server/rls/h2c.py (False: grpcio's core)
     #: Seconds from an RLS request's HEADERS to the end of its stream (fast path); SIGHUP applies it.
     rls_request_timeout: float = 10.0
+    #: Seconds a connection to the HTTP listeners has to send a request head (from its accept, or
+    #: from a later request's first byte); SIGHUP applies it (geolimit/http/connections.py).
+    head_timeout: float = 10.0
+    #: Open connections each HTTP listener accepts; None: a share of RLIMIT_NOFILE. SIGHUP applies it.
+    max_connections: int | None = None
     log_format: str = "text"
     log_level: str = "INFO"
     path: Path | None = None
@@ -226,6 +234,13 @@ def _region_options(region: Mapping[str, Any], src: str, base: Path, listen: tup
         opts["api_listen"] = parse_listen(region["api_listen"], f"{src}: region.api_listen")
         if opts["api_listen"] == listen and listen[1] != 0:
             raise ConfigError(f"{src}: region.api_listen must differ from region.listen ({listen[0]}:{listen[1]})")
+    if "head_timeout" in region:
+        opts["head_timeout"] = parse_seconds(region["head_timeout"], src, "region.head_timeout")
+        if opts["head_timeout"] > MAX_HEAD_TIMEOUT:
+            raise ConfigError(f"{src}: region.head_timeout must be at most {MAX_HEAD_TIMEOUT:g} seconds, "
+                              f"got {region['head_timeout']!r}")
+    if "max_connections" in region:
+        opts["max_connections"] = parse_positive_int(region["max_connections"], src, "region.max_connections")
     if "api_token_file" in region:
         token_file = resolve_path(base, require(region, "api_token_file", str, src, "region.api_token_file"))
         opts["api_token"] = read_token(token_file, src, "region.api_token_file")

@@ -14,10 +14,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from geolimit.http.connections import ListenerGuard
 from geolimit.replication.gossip import GossipEngine
 from geolimit.worker_metrics import GaugeMode, SharedMetrics
 
@@ -116,9 +117,22 @@ class AgentMetrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=self.registry,
         )
         self.rejected = Counter("geolimit_gossip_rejected", "Gossip requests refused, by reason", ["reason"], registry=self.registry)
+        self.connections_dropped = Counter(
+            "geolimit_http_connections_dropped", "Connections an HTTP listener closed, by reason: over "
+            "max_connections (connection_limit), no complete request head within head_timeout (head_timeout)",
+            ["listener", "reason"], registry=self.registry)
+        self.connections_open = Gauge("geolimit_http_connections_open", "Open connections of an HTTP listener",
+                                      ["listener"], registry=self.registry)
         self.registry.register(_EngineCollector(engine, clock, redis_unreachable))
         self.shared = SharedMetrics.for_worker(self.registry, worker, workers, gauges=WORKER_GAUGES, ages=AGE_GAUGES,
                                                clock=clock)
+
+    def watch_listener(self, guard: ListenerGuard) -> ListenerGuard:
+        """Count the connections ``guard`` closes and show those it holds, by its label."""
+        dropped = self.connections_dropped
+        guard.dropped = lambda reason: dropped.labels(guard.label, reason).inc()
+        self.connections_open.labels(guard.label).set_function(lambda: guard.open)
+        return guard
 
     def start(self) -> None:
         """Begin sharing with the other workers (if any)."""

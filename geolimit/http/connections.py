@@ -1,0 +1,359 @@
+"""A deadline for request heads and a cap on open connections, for an aiohttp listener.
+
+aiohttp's server has no deadline for a request's head (the request line and the
+headers): a connection that sends half a request line is held until its
+``keepalive_timeout`` (3630 s in aiohttp 3.14), and 20,000 of them used up an agent's
+file descriptors, so neither clients nor peers could connect. A listener served
+through a :class:`ListenerGuard` (``geolimit.http.listener.listen`` does it) has:
+
+* A **head deadline**: a connection must deliver a complete request head within
+  ``head_timeout`` seconds of its accept (the first request; after a TLS handshake,
+  itself bounded by the same time) and of the first byte of each later request; else
+  it gets ``408`` (when part of a head came) and is closed. The time a keep-alive
+  connection idles *between* requests stays aiohttp's ``keepalive_timeout``; a request
+  being handled (its body included: the routes read bodies within their own
+  deadlines) has no head deadline.
+* A **connection cap**: at most ``max_connections`` open connections on the listener
+  (by default a share of ``RLIMIT_NOFILE`` that leaves file descriptors for Redis,
+  peers and files: :func:`default_max_connections`); one more is closed as soon as it
+  is accepted, before aiohttp sees it.
+
+Each closed connection is counted (``dropped(reason)``: ``connection_limit`` or
+``head_timeout``) and the listener logs at most one line every :data:`LOG_EVERY`
+seconds, with the counts since its last line: never a line per connection.
+
+How it works, with aiohttp's public API only: a :class:`~aiohttp.web.BaseSite` whose
+``create_server`` gets a protocol factory wrapping aiohttp's
+:class:`~aiohttp.web.RequestHandler` (``server()``) in :class:`_Connection`, which
+sees every byte before aiohttp does; and ``server.request_handler`` wrapped to learn
+when each request is dispatched (its head complete) and handled. aiohttp's parser
+does not say whether it holds part of a head, so the connection tracks where the
+requests dispatched so far end on the wire: the head ends at the first blank line
+after the previous request (a head holds none before its end), and the body is
+``Content-Length`` bytes. Bytes beyond that end, while no request is being handled,
+are the next head's: its deadline runs. When that end cannot be known (a chunked or
+upgraded request, or pipelined bytes that arrived before the request ahead of them
+was dispatched) every later request counts as having left such bytes, so after each
+response the next head must come within ``head_timeout``: a client idling longer is
+closed sooner than ``keepalive_timeout``, never held longer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+__all__ = ["HEAD_TIMEOUT", "LOG_EVERY", "ListenerGuard", "default_max_connections"]
+
+log = logging.getLogger("geolimit.http")
+
+#: Seconds a request head may take (the default of the agent's ``[region] head_timeout``).
+HEAD_TIMEOUT = 10.0
+#: Seconds between two log lines of one listener about the connections it closed.
+LOG_EVERY = 10.0
+#: File descriptors left out of the listeners' share: Redis, peers, the logs, the files
+#: opened by a reload (at least this many, or a tenth of the limit when that is more).
+SPARE_FDS = 256
+_ANSWER = (b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Type: text/plain; charset=utf-8\r\n"
+           b"Content-Length: %d\r\n\r\n%s")
+
+
+def default_max_connections(listeners: int = 1) -> int:
+    """Open connections one of ``listeners`` listeners may hold: the soft ``RLIMIT_NOFILE``
+    less max(:data:`SPARE_FDS`, a tenth of it), shared out (at least 16 each)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY or soft > 1 << 20:
+            soft = 1 << 20
+    except (ImportError, OSError, ValueError):  # no resource module (Windows)
+        soft = 1024
+    return max(16, (soft - max(SPARE_FDS, soft // 10)) // max(1, listeners))
+
+
+def _ignore(reason: str) -> None:
+    pass
+
+
+class ListenerGuard:
+    """The head deadline and connection cap of one listener (all of its sockets).
+
+    ``head_timeout`` and ``max_connections`` are read for each connection (a reload that
+    changes them applies to the next ones); ``dropped`` is called with the reason of each
+    connection closed (``connection_limit``, ``head_timeout``); ``label`` names the
+    listener in the log (``where``, its address, is set by ``listen``).
+    """
+
+    def __init__(self, label: str, *, head_timeout: Callable[[], float] = lambda: HEAD_TIMEOUT,
+                 max_connections: Callable[[], int] | None = None,
+                 dropped: Callable[[str], None] = _ignore) -> None:
+        self.label = label
+        self.where = ""
+        self.head_timeout = head_timeout
+        cap = default_max_connections()
+        self.max_connections = max_connections or (lambda: cap)
+        self.dropped = dropped
+        self.open = 0  # connections now open (admitted)
+        self._held: dict[str, int] = {}  # closed since the last log line, by reason
+        self._log_timer: asyncio.TimerHandle | None = None
+
+    def protocol_factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
+        """What ``loop.create_server`` takes to serve ``server`` under this guard."""
+        if not isinstance(server.request_handler, _Dispatch):  # once per server
+            server.request_handler = _Dispatch(server.request_handler)
+        return lambda: _Connection(self, server)
+
+    def site(self, runner: web.BaseRunner, sock: socket.socket, *, ssl_context: ssl.SSLContext | None = None,
+             backlog: int = 128) -> web.BaseSite:
+        """A site of ``runner`` serving ``sock`` under this guard (``runner.cleanup()`` stops it)."""
+        return _Site(runner, sock, self, ssl_context=ssl_context, backlog=backlog)
+
+    def close(self) -> None:
+        """Log what is held back and stop the log's timer (the listener stopped)."""
+        if self._log_timer is not None:
+            self._log_timer.cancel()
+            self._log_timer = None
+        self._log()
+
+    # -- the connections' side ----------------------------------------------------------
+
+    def _admit(self) -> bool:
+        if self.open >= self.max_connections():
+            self._note("connection_limit")
+            return False
+        self.open += 1
+        return True
+
+    def _note(self, reason: str) -> None:
+        self.dropped(reason)
+        self._held[reason] = self._held.get(reason, 0) + 1
+        if self._log_timer is None:  # no line within the last LOG_EVERY seconds
+            self._flush()
+
+    def _flush(self) -> None:
+        self._log_timer = None
+        if self._log():
+            self._log_timer = asyncio.get_running_loop().call_later(LOG_EVERY, self._flush)
+
+    def _log(self) -> bool:
+        if not self._held:
+            return False
+        held, self._held = self._held, {}
+        parts = []
+        if "connection_limit" in held:
+            parts.append(f"refused {held['connection_limit']} connection(s) over the limit of "
+                         f"{self.max_connections()} open")
+        if "head_timeout" in held:
+            parts.append(f"closed {held['head_timeout']} connection(s) that sent no complete request head "
+                         f"within {self.head_timeout():g} s")
+        log.warning("%s listener %s: %s (at most one such line every %g s)", self.label, self.where,
+                    "; ".join(parts), LOG_EVERY)
+        return True
+
+
+class _Dispatch:
+    """``server.request_handler``, telling each request's connection when it starts and ends."""
+
+    def __init__(self, handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]) -> None:
+        self.handler = handler
+
+    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        transport = request.transport
+        conn = transport.get_protocol() if transport is not None else None
+        if not isinstance(conn, _Connection):
+            return await self.handler(request)
+        conn.dispatched(request)
+        try:
+            return await self.handler(request)
+        finally:
+            conn.finished()
+
+
+def _framed(request: web.BaseRequest) -> bool:
+    """Whether the request ends ``Content-Length`` bytes after its head (no chunks, no upgrade)."""
+    headers = request.headers
+    return "Transfer-Encoding" not in headers and "Upgrade" not in headers and request.method != "CONNECT"
+
+
+class _Connection(asyncio.Protocol):
+    """One connection: aiohttp's handler behind the cap and the head deadline."""
+
+    __slots__ = (
+        "_busy",
+        "_deadline",
+        "_end",
+        "_guard",
+        "_head_end",
+        "_inner",
+        "_loop",
+        "_mark",
+        "_received",
+        "_server",
+        "_tail",
+        "_timer",
+        "_transport",
+    )
+
+    def __init__(self, guard: ListenerGuard, server: web.Server) -> None:
+        self._guard = guard
+        self._server = server
+        self._inner: web.RequestHandler | None = None
+        self._transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0  # loop time by which a head must be complete; 0: none running
+        self._mark = 0  # bytes received when the deadline started
+        self._received = 0  # bytes received on the connection
+        self._end: int | None = 0  # where the requests dispatched so far end on the wire; None: unknown
+        self._head_end: int | None = None  # where the head after _end ends, once its blank line came
+        self._tail = b""  # the last bytes searched for that blank line (it may straddle two reads)
+        self._busy = False  # a request is being handled
+
+    # -- asyncio's callbacks ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self._guard._admit():
+            transport.close()  # nothing was written: the socket is closed at once
+            return
+        self._transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport
+        self._inner = inner = self._server()
+        self._arm()  # the first head: from the accept
+        inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        inner = self._inner
+        if inner is None:
+            return
+        start = self._received
+        self._received = received = start + len(data)
+        end = self._end
+        if end is not None and self._head_end is None and received > end:
+            self._scan(data, start, end)
+        if not self._busy and not self._deadline and (end is None or received > end):
+            self._arm()  # a head started
+        inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        if self._inner is not None:
+            self._inner.eof_received()
+        return None  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        inner, self._inner = self._inner, None
+        if inner is None:
+            return
+        self._guard.open -= 1
+        self._deadline = 0.0
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def dispatched(self, request: web.BaseRequest) -> None:
+        """aiohttp parsed a head and calls the application."""
+        self._busy = True
+        self._deadline = 0.0
+        end, head_end = self._end, self._head_end
+        self._head_end, self._tail = None, b""
+        if end is None or head_end is None or not _framed(request):
+            self._end = None
+            return
+        end = head_end + (request.content_length or 0)
+        # Bytes past its end came before it was dispatched (pipelined): they were not searched.
+        self._end = end if self._received <= end else None
+
+    def finished(self) -> None:
+        """The application answered; bytes past the request's end are the next head's."""
+        self._busy = False
+        if self._inner is not None and (self._end is None or self._received > self._end):
+            self._arm()
+
+    def _scan(self, data: bytes, start: int, end: int) -> None:
+        skip = end - start if end > start else 0
+        seg = self._tail + (data[skip:] if skip else data)
+        base = start + skip - len(self._tail)
+        crlf, lf = seg.find(b"\n\r\n"), seg.find(b"\n\n")
+        if crlf < 0 and lf < 0:
+            self._tail = seg[-2:]
+        elif lf >= 0 and (crlf < 0 or lf < crlf):
+            self._head_end, self._tail = base + lf + 2, b""
+        else:
+            self._head_end, self._tail = base + crlf + 3, b""
+
+    # -- the deadline -----------------------------------------------------------------------
+
+    def _arm(self) -> None:
+        self._deadline = self._loop.time() + self._guard.head_timeout()
+        self._mark = self._received
+        timer = self._timer
+        if timer is None or timer.when() > self._deadline:
+            if timer is not None:
+                timer.cancel()
+            self._timer = self._loop.call_at(self._deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        transport = self._transport
+        if not self._deadline or self._inner is None or transport is None:
+            return
+        if self._loop.time() < self._deadline:  # moved since the timer was set
+            self._timer = self._loop.call_at(self._deadline, self._expire)
+            return
+        self._deadline = 0.0
+        self._guard._note("head_timeout")
+        end = self._end
+        if self._received > self._mark or (end is not None and self._received > end):  # part of a head came
+            text = f"request head not received within {self._guard.head_timeout():g} s\n".encode()
+            transport.write(_ANSWER % (len(text), text))
+        if transport.get_write_buffer_size():
+            transport.abort()  # a client that does not read cannot hold the socket either
+        else:
+            transport.close()
+
+
+class _Site(web.BaseSite):
+    """A listening socket served under a guard (aiohttp's ``SockSite``, with the guard's protocol)."""
+
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, guard: ListenerGuard, *,
+                 ssl_context: ssl.SSLContext | None, backlog: int) -> None:
+        super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
+        self._owner, self._sock, self._guard = runner, sock, guard
+        self._tls, self._queue = ssl_context, backlog
+        host, port = sock.getsockname()[:2]
+        self._name = f"{'https' if ssl_context else 'http'}://{host}:{port}"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._owner.server
+        assert server is not None, "runner.setup() first"
+        loop = asyncio.get_running_loop()
+        factory = self._guard.protocol_factory(server)
+        if self._tls is None:
+            self._server = await loop.create_server(factory, sock=self._sock, backlog=self._queue)
+        else:  # a handshake that never finishes is bounded by the same deadline
+            self._server = await loop.create_server(factory, sock=self._sock, backlog=self._queue, ssl=self._tls,
+                                                    ssl_handshake_timeout=self._guard.head_timeout())
+
+    async def stop(self) -> None:
+        await super().stop()
+        self._guard.close()
