@@ -15,6 +15,9 @@ It also creates a private directory for the workers' metrics
 (geolimit/worker_metrics.py), names it to them in ``GEOLIMIT_WORKER_METRICS_DIR``,
 marks a worker's snapshot dead when the worker exits and removes the directory
 when it stops, so that one ``/metrics`` scrape of any worker describes them all.
+The directory's name carries the supervisor's pid: a supervisor that was killed
+(SIGKILL, the OOM killer) could not remove its own, so the next one to start
+removes those of supervisors no longer running (:func:`sweep_stale_metrics_dirs`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -35,7 +39,7 @@ from dataclasses import dataclass, field
 from geolimit.errors import ConfigError, GeolimitError
 from geolimit.worker_metrics import METRICS_DIR_ENV, mark_dead
 
-__all__ = ["Supervisor", "describe_exit", "watch_parent"]
+__all__ = ["Supervisor", "describe_exit", "sweep_stale_metrics_dirs", "watch_parent"]
 
 log = logging.getLogger("geolimit.workers")
 
@@ -49,6 +53,45 @@ async def watch_parent(stop: asyncio.Event, interval: float = 0.5) -> None:
             break
     log.error("the supervisor (pid %d) is gone: this worker stops", parent)
     stop.set()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_stale_metrics_dirs(program: str, base: str | None = None) -> list[str]:
+    """Remove the metrics directories that supervisors of ``program`` left behind when
+    they were killed: ``geolimit-PROGRAM-metrics-PID-*`` in ``base`` (the temp dir),
+    owned by this user, whose PID no longer runs. Returns the paths removed. A pid
+    taken by another process since keeps its directory (until that one ends)."""
+    base = base or tempfile.gettempdir()
+    prefix = f"geolimit-{program}-metrics-"
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        pid_text, dash, _ = name[len(prefix):].partition("-")
+        if not name.startswith(prefix) or not dash or not pid_text.isdigit():
+            continue
+        path = os.path.join(base, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or _running(int(pid_text)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
 
 
 def describe_exit(code: int) -> str:
@@ -141,7 +184,9 @@ class Supervisor:
         if self._workers:
             return
         self.check_listens()
-        self.metrics_dir = tempfile.mkdtemp(prefix=f"geolimit-{self.program}-metrics-")
+        for path in sweep_stale_metrics_dirs(self.program):
+            log.info("%s: removed %s, left by a supervisor that was killed", self.name, path)
+        self.metrics_dir = tempfile.mkdtemp(prefix=f"geolimit-{self.program}-metrics-{os.getpid()}-")
         for index in range(self.workers):
             worker = _Worker(index, await self._spawn(index))
             worker.keeper = asyncio.ensure_future(self._keep(worker))  # so stop() also ends a partial start

@@ -14,6 +14,7 @@ from geolimit.server.agent import Agent
 from geolimit.server.config import AgentConfig, PeerConfig
 from geolimit.store.embedded import EmbeddedRedis
 from tests.server.helpers import AgentProcess
+from tests.support.cli_process import any_worker_session, stop_all
 from tests.support.regions import dead_url, eventually
 
 RULES = (Rule("api", 5, 10, 1), Rule("tiny", 2, 10, 1), Rule("hourly", 100, 3600, 360))
@@ -71,6 +72,24 @@ async def running() -> AsyncIterator[list[AgentProcess]]:
     finally:
         for proc in procs:
             await proc.kill()
+
+
+@pytest.fixture
+async def supervisors() -> AsyncIterator[list[AgentProcess]]:
+    """`geolimit agent --workers N` supervisors started by the test: stopped (SIGTERM, so they
+    stop their workers) at teardown if still running, then killed."""
+    procs: list[AgentProcess] = []
+    try:
+        yield procs
+    finally:
+        await stop_all(procs)
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """A new connection per request, so requests land on any worker sharing a port."""
+    async with any_worker_session() as s:
+        yield s
 
 
 @pytest.fixture

@@ -13,35 +13,17 @@ import os
 import re
 import signal
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
-import pytest
 
 from geolimit.store.embedded import EmbeddedRedis
 from tests.server.helpers import AgentProcess, cli
-from tests.server.test_workers import alive, get, hit, make_regions, start, statuses
-from tests.support.cli_process import any_worker_session, stop_all
+from tests.server.workers_support import alive, get, hit, make_regions, start, statuses
 from tests.support.regions import eventually
 
 Figures = dict[tuple[str, str], float]
-
-
-@pytest.fixture
-async def procs() -> AsyncIterator[list[AgentProcess]]:
-    started: list[AgentProcess] = []
-    try:
-        yield started
-    finally:
-        await stop_all(started)
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    """A new connection per request, so requests land on any worker."""
-    async with any_worker_session() as s:
-        yield s
 
 
 def parse(text: str) -> tuple[int, Figures]:
@@ -68,12 +50,12 @@ def decisions_in_snapshots(directory: str) -> dict[int, float]:
 
 
 async def test_one_scrape_counts_every_workers_decisions_and_outbox_even_after_a_worker_is_killed(
-    tmp_path: Path, redis_server_factory: Callable[..., EmbeddedRedis], procs: list[AgentProcess],
+    tmp_path: Path, redis_server_factory: Callable[..., EmbeddedRedis], supervisors: list[AgentProcess],
     http: aiohttp.ClientSession,
 ) -> None:
     regions = make_regions(tmp_path, {name: redis_server_factory() for name in "ab"}, {"a": 2})
     a = regions["a"]
-    proc = await start(a, procs)
+    proc = await start(a, supervisors)
     directory = (await proc.wait_for_log(r"agent a: started 2 workers \(pids .*; shared metrics in (\S+)\)")).group(1)
     seen = await statuses(http, a, lambda s: len(s) == 2 and all(x["ready"] for x in s.values()))
     pids = {i: s["worker"]["pid"] for i, s in seen.items()}
@@ -134,13 +116,13 @@ async def test_one_scrape_counts_every_workers_decisions_and_outbox_even_after_a
 
 
 async def test_a_single_agent_shares_nothing(
-    tmp_path: Path, redis_server_factory: Callable[..., EmbeddedRedis], procs: list[AgentProcess],
+    tmp_path: Path, redis_server_factory: Callable[..., EmbeddedRedis], supervisors: list[AgentProcess],
     http: aiohttp.ClientSession,
 ) -> None:
     """workers = 1: no supervisor, no metrics directory, no target_info (as before workers existed)."""
     regions = make_regions(tmp_path, {"a": redis_server_factory()}, {})
     a = regions["a"]
-    proc = await start(a, procs)
+    proc = await start(a, supervisors)
     await statuses(http, a, lambda s: 0 in s)
     await hit(http, a, Counter(), ["user:1"], 3)
     text = await get(http, a.url + "/metrics")
