@@ -4,7 +4,8 @@
 when several worker processes share the port, so the kernel spreads the
 connections over them) and serves them under a
 :class:`~geolimit.http.connections.ListenerGuard`: a deadline for each request head
-and a cap on open connections (aiohttp has neither). It returns the bound address,
+and a cap on open connections (aiohttp has neither); requests aiohttp cannot parse
+are logged in one line per 10 s (:mod:`geolimit.http.bad_requests`). It returns the bound address,
 which is how a listener on port 0 learns its port. Only public aiohttp API is used
 (a :class:`aiohttp.web.BaseSite` subclass, as aiohttp's own sites are).
 
@@ -23,11 +24,16 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from geolimit.http import bad_requests
 from geolimit.http.connections import ListenerGuard
 
-__all__ = ["bind_sockets", "listen", "run_event_loop"]
+__all__ = ["KEEPALIVE_TIMEOUT", "bind_sockets", "listen", "run_event_loop"]
 
 T = TypeVar("T")
+
+#: Seconds an idle kept-alive connection stays open on our servers (aiohttp 3.14's default,
+#: 3630 s, let idle clients hold places under ``max_connections`` for an hour; nginx uses 75 s).
+KEEPALIVE_TIMEOUT = 75.0
 
 
 def bind_sockets(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
@@ -78,6 +84,7 @@ async def listen(
     its own with the defaults). The sites belong to ``runner``: ``runner.cleanup()``
     closes them.
     """
+    bad_requests.install()  # a malformed request is counted in one line per 10 s, not logged with a traceback
     sockets = bind_sockets(host, port, reuse_port=reuse_port)
     address: tuple[str, int] = sockets[0].getsockname()[:2]
     guard = guard or ListenerGuard("HTTP")

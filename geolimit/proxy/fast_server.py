@@ -15,7 +15,7 @@ the proxy always has; the connection stays with aiohttp from then on.
 Timeouts of the client side: a request head (and its small body) must arrive within
 :data:`HEAD_TIMEOUT` seconds of its first byte (else 408 and the connection is
 closed: a slow sender cannot hold a connection forever); an idle keep-alive
-connection is closed after :data:`KEEPALIVE_TIMEOUT` seconds (aiohttp's default).
+connection is closed after :data:`KEEPALIVE_TIMEOUT` seconds (75, as the aiohttp listeners).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import socket
 from collections.abc import Callable
 from typing import cast
 
+from geolimit.http.listener import KEEPALIVE_TIMEOUT  # the same as the aiohttp listeners'
 from geolimit.proxy.decide import Local, local_problem
 from geolimit.proxy.fast_forward import FastForwarder, _Relay
 from geolimit.proxy.fast_upstream import LazyDeadline
@@ -44,7 +45,6 @@ log = logging.getLogger("geolimit.proxy")
 
 MAX_HEAD = 16 * 1024  # a longer head goes to aiohttp (which allows 8190 bytes a line)
 HEAD_TIMEOUT = 30.0
-KEEPALIVE_TIMEOUT = 75.0
 _MAX_BUFFER = 256 * 1024  # pipelined bytes held while a request is served (then reading pauses)
 
 

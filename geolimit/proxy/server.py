@@ -34,7 +34,7 @@ from geolimit.http.agent_client import AgentClient, AgentRules
 from geolimit.http.connections import ListenerGuard, default_max_connections
 from geolimit.http.guard import Guard
 from geolimit.http.keys import trusted_networks
-from geolimit.http.listener import bind_sockets, listen
+from geolimit.http.listener import KEEPALIVE_TIMEOUT, bind_sockets, listen
 from geolimit.proxy.agent_rules import RETRY_INTERVAL, resolve_routes
 from geolimit.proxy.config import ProxyConfig
 from geolimit.proxy.decider import ProxyDecider
@@ -130,11 +130,13 @@ class Proxy:
         )
         self.forwarder = Forwarder(_state(cfg, self.decider), self._session, self.metrics)
         # handler_cancellation: a client that goes away cancels its upstream exchange at once.
-        server = web.Server(self.forwarder, access_log=None, handler_cancellation=True)
+        server = web.Server(self.forwarder, access_log=None, handler_cancellation=True,
+                            keepalive_timeout=KEEPALIVE_TIMEOUT)
         runners: list[tuple[web.BaseRunner, tuple[str, int]]] = [
             (web.ServerRunner(server, handle_signals=False, shutdown_timeout=cfg.shutdown_timeout), cfg.listen)]
         if cfg.admin_listen is not None:
-            runners.append((web.AppRunner(self._admin_app(), access_log=None, handle_signals=False),
+            runners.append((web.AppRunner(self._admin_app(), access_log=None, handle_signals=False,
+                                          keepalive_timeout=KEEPALIVE_TIMEOUT),
                             cfg.admin_listen))
         cap = default_max_connections(len(runners))  # each listener's share of RLIMIT_NOFILE
         try:

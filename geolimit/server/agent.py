@@ -27,7 +27,7 @@ from geolimit.async_limiter import AsyncLimiter
 from geolimit.core.clock import Clock, micros_source
 from geolimit.errors import ConfigError, GeolimitError, StorageError
 from geolimit.http.connections import ListenerGuard, default_max_connections
-from geolimit.http.listener import listen
+from geolimit.http.listener import KEEPALIVE_TIMEOUT, listen
 from geolimit.replication.auth import Signer, Verifier
 from geolimit.replication.escrow import EscrowReplicator
 from geolimit.replication.escrow_http import EscrowHttpTransport, add_escrow_routes
@@ -154,7 +154,8 @@ class Agent:
             for label, app, (host, port), ssl_ctx in apps:
                 # A stop waits this long for requests in progress (aiohttp's default: 60 s); a peer
                 # whose message is cut off keeps it queued and sends it again.
-                runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=STOP_GRACE)
+                runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=STOP_GRACE,
+                                       keepalive_timeout=KEEPALIVE_TIMEOUT)
                 await runner.setup()
                 self._runners.append(runner)
                 guard = self.metrics.watch_listener(ListenerGuard(  # a reload applies both

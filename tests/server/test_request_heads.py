@@ -146,6 +146,20 @@ async def test_keep_alive_idles_between_requests_but_a_started_head_must_finish(
     assert data.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), data[:100]
 
 
+async def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout(
+    start_agent: StartAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """75 s in production (KEEPALIVE_TIMEOUT; aiohttp's own default, 3630 s, let idle clients hold places
+    under max_connections for an hour): here 0.5 s."""
+    monkeypatch.setattr("geolimit.server.agent.KEEPALIVE_TIMEOUT", 0.5)
+    agent = await start_agent(run=False)
+    reader, _, _ = conn = await _connect(agent.url, REQUEST)
+    assert await _answer(reader) == b"HTTP/1.1 200 OK"
+    data, after = await _until_closed(conn)
+    assert data == b""
+    assert 0.45 < after < 5
+
+
 async def test_the_connection_cap_refuses_the_excess_at_once_and_admits_again_below_it(
     start_agent: StartAgent, caplog: pytest.LogCaptureFixture,
 ) -> None:
