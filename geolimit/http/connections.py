@@ -48,6 +48,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from geolimit.http import bad_requests
+
 __all__ = ["HEAD_TIMEOUT", "LOG_EVERY", "ListenerGuard", "default_max_connections"]
 
 log = logging.getLogger("geolimit.http")
@@ -104,7 +106,9 @@ class ListenerGuard:
         self._log_timer: asyncio.TimerHandle | None = None
 
     def protocol_factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
-        """What ``loop.create_server`` takes to serve ``server`` under this guard."""
+        """What ``loop.create_server`` takes to serve ``server`` under this guard (and the proxy's
+        fast path hands its connections to); installs the summary of malformed requests' log lines."""
+        bad_requests.install()  # a malformed request is counted in one line per 10 s, not logged with a traceback
         if not isinstance(server.request_handler, _Dispatch):  # once per server
             server.request_handler = _Dispatch(server.request_handler)
         return lambda: _Connection(self, server)

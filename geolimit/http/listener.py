@@ -5,8 +5,8 @@ when several worker processes share the port, so the kernel spreads the
 connections over them) and serves them under a
 :class:`~geolimit.http.connections.ListenerGuard`: a deadline for each request head
 and a cap on open connections (aiohttp has neither); requests aiohttp cannot parse
-are logged in one line per 10 s (:mod:`geolimit.http.bad_requests`). It returns the bound address,
-which is how a listener on port 0 learns its port. Only public aiohttp API is used
+are logged in one line per 10 s (:mod:`geolimit.http.bad_requests`, installed by the
+guard). It returns the bound address, which is how a listener on port 0 learns its port. Only public aiohttp API is used
 (a :class:`aiohttp.web.BaseSite` subclass, as aiohttp's own sites are).
 
 :func:`run_event_loop` is :func:`asyncio.run` on uvloop when it is installed
@@ -24,7 +24,6 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from geolimit.http import bad_requests
 from geolimit.http.connections import ListenerGuard
 
 __all__ = ["KEEPALIVE_TIMEOUT", "bind_sockets", "listen", "run_event_loop"]
@@ -84,7 +83,6 @@ async def listen(
     its own with the defaults). The sites belong to ``runner``: ``runner.cleanup()``
     closes them.
     """
-    bad_requests.install()  # a malformed request is counted in one line per 10 s, not logged with a traceback
     sockets = bind_sockets(host, port, reuse_port=reuse_port)
     address: tuple[str, int] = sockets[0].getsockname()[:2]
     guard = guard or ListenerGuard("HTTP")
