@@ -1,6 +1,6 @@
 """Accuracy through real agent processes: the scenarios of ``geolimit bench accuracy``, for real.
 
-    python bench/agents.py [--scenario NAME ...] [--duration SECONDS] [--json PATH] [--escrow]
+    python bench/agents.py [--scenario NAME ...] [--duration SECONDS] [--load X] [--json PATH] [--escrow]
 
 Each scenario starts 3 ``geolimit agent`` processes (regions r1, r2, r3), each on its own
 embedded redis-server, gossiping every 100 ms through user-space delay links
@@ -408,13 +408,16 @@ def as_json(outcomes: Sequence[Outcome], elapsed: float, escrow_note: str | None
     }
 
 
-async def run_all(names: Sequence[str], duration: float | None, variants: Sequence[str]) -> list[Outcome]:
+async def run_all(names: Sequence[str], duration: float | None, variants: Sequence[str],
+                  load: float | None = None) -> list[Outcome]:
     outcomes: list[Outcome] = []
     total = len(names) * len(variants)
     with EmbeddedRedis() as sim_redis:
         sim_url = sim_redis.url.rsplit("/", 1)[0]
         for name in names:
             s = SCENARIOS[name] if duration is None else replace(SCENARIOS[name], duration=duration)
+            if load is not None:
+                s = replace(s, load=load)
             for variant in variants:
                 began = time.perf_counter()
                 o = await run_one(variant, s, sim_url)
@@ -431,11 +434,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scenario", action="append", choices=list(SCENARIOS),
                         help=f"repeatable; default: {', '.join(DEFAULT_SCENARIOS)}")
     parser.add_argument("--duration", type=float, help="seconds per scenario (shorter than it needs: INSUFFICIENT)")
+    parser.add_argument("--load", type=float, help="offered load as a multiple of the limit (default: the scenario's, "
+                        "3 for the steady ones); the load generator must keep up, else INSUFFICIENT")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--escrow", action="store_true", help="also run the escrow variant (rule escrow = true)")
     args = parser.parse_args(argv)
     if args.duration is not None and not args.duration > 0:
         parser.error("--duration must be a positive number of seconds")
+    if args.load is not None and not 0 < args.load <= 100:
+        parser.error("--load must be a multiple of the limit in (0, 100]")
     names = args.scenario or list(DEFAULT_SCENARIOS)
     variants = [AGENTS, SIMULATOR, EXACT]
     escrow_note = escrow_unavailable() if args.escrow else None
@@ -448,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{SCENARIOS['standard'].interval * 1000:g} ms gossip", flush=True)
     started = time.perf_counter()
     try:
-        outcomes = asyncio.run(run_all(names, args.duration, variants))
+        outcomes = asyncio.run(run_all(names, args.duration, variants, args.load))
     except RuntimeError as exc:  # an agent did not start: its log's tail says why
         print(f"bench/agents.py: {exc}", file=sys.stderr)
         return 1
