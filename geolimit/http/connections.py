@@ -16,14 +16,17 @@ through a :class:`ListenerGuard` (``geolimit.http.listener.listen`` does it) has
 * A **connection cap**: at most ``max_connections`` open connections on the listener
   (by default a share of ``RLIMIT_NOFILE`` that leaves file descriptors for Redis,
   peers and files: :func:`default_max_connections`); one more is closed as soon as it
-  is accepted, before aiohttp sees it.
+  is accepted, before aiohttp sees it. On a TLS listener a connection counts from its
+  accept, its handshake included (asyncio's ``ssl=`` server hands a connection over
+  only once its handshake is done: connections that never finished one were not
+  counted, and 2000 of them pinned an agent at its file descriptor limit).
 
 Each closed connection is counted (``dropped(reason)``: ``connection_limit`` or
 ``head_timeout``) and the listener logs at most one line every :data:`LOG_EVERY`
 seconds, with the counts since its last line: never a line per connection.
 
-How it works, with aiohttp's public API only: a :class:`~aiohttp.web.BaseSite` whose
-``create_server`` gets a protocol factory wrapping aiohttp's
+How it works, with aiohttp's public API only: a :class:`~aiohttp.web.BaseSite`
+(``geolimit.http.listener``) whose ``create_server`` gets a protocol factory wrapping aiohttp's
 :class:`~aiohttp.web.RequestHandler` (``server()``) in :class:`_Connection`, which
 sees every byte before aiohttp does; and ``server.request_handler`` wrapped to learn
 when each request is dispatched (its head complete) and handled. aiohttp's parser
@@ -42,9 +45,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -53,6 +56,7 @@ from geolimit.http import bad_requests
 __all__ = ["HEAD_TIMEOUT", "LOG_EVERY", "ListenerGuard", "default_max_connections"]
 
 log = logging.getLogger("geolimit.http")
+T = TypeVar("T")
 
 #: Seconds a request head may take (the default of the agent's ``[region] head_timeout``).
 HEAD_TIMEOUT = 10.0
@@ -105,18 +109,14 @@ class ListenerGuard:
         self._held: dict[str, int] = {}  # closed since the last log line, by reason
         self._log_timer: asyncio.TimerHandle | None = None
 
-    def protocol_factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
+    def protocol_factory(self, server: web.Server, tls: ssl.SSLContext | None = None) -> Callable[[], asyncio.Protocol]:
         """What ``loop.create_server`` takes to serve ``server`` under this guard (and the proxy's
-        fast path hands its connections to); installs the summary of malformed requests' log lines."""
+        fast path hands its connections to); ``tls``: each connection's handshake is made here,
+        within ``head_timeout``. Installs the summary of malformed requests' log lines."""
         bad_requests.install()  # a malformed request is counted in one line per 10 s, not logged with a traceback
         if not isinstance(server.request_handler, _Dispatch):  # once per server
             server.request_handler = _Dispatch(server.request_handler)
-        return lambda: _Connection(self, server)
-
-    def site(self, runner: web.BaseRunner, sock: socket.socket, *, ssl_context: ssl.SSLContext | None = None,
-             backlog: int = 128) -> web.BaseSite:
-        """A site of ``runner`` serving ``sock`` under this guard (``runner.cleanup()`` stops it)."""
-        return _Site(runner, sock, self, ssl_context=ssl_context, backlog=backlog)
+        return lambda: _Connection(self, server, tls)
 
     def close(self) -> None:
         """Log what is held back and stop the log's timer (the listener stopped)."""
@@ -161,6 +161,29 @@ class ListenerGuard:
         return True
 
 
+class _Eager:
+    """A coroutine run at once up to its first wait, then on each wake-up (Python 3.12's eager
+    tasks, on 3.11 and uvloop); ``done(result, exception)`` gets its end."""
+
+    __slots__ = ("_coro", "_done")
+
+    def __init__(self, coro: Coroutine[Any, Any, T], done: Callable[[T | None, BaseException | None], None]) -> None:
+        self._coro: Coroutine[Any, Any, Any] = coro
+        self._done: Callable[[Any, BaseException | None], None] = done
+        self._step()
+
+    def _step(self, _: object = None) -> None:
+        try:
+            waiting = self._coro.send(None)
+        except StopIteration as stop:
+            self._done(stop.value, None)
+        except Exception as exc:
+            self._done(None, exc)
+        else:  # a future (start_tls() waits on one only)
+            waiting._asyncio_future_blocking = False
+            waiting.add_done_callback(self._step)
+
+
 class _Dispatch:
     """``server.request_handler``, telling each request's connection when it starts and ends."""
 
@@ -190,9 +213,12 @@ class _Connection(asyncio.Protocol):
 
     __slots__ = (
         "_busy",
+        "_counted",
         "_deadline",
+        "_early",
         "_end",
         "_guard",
+        "_handshake",
         "_head_end",
         "_inner",
         "_loop",
@@ -201,12 +227,17 @@ class _Connection(asyncio.Protocol):
         "_server",
         "_tail",
         "_timer",
+        "_tls",
         "_transport",
     )
 
-    def __init__(self, guard: ListenerGuard, server: web.Server) -> None:
+    def __init__(self, guard: ListenerGuard, server: web.Server, tls: ssl.SSLContext | None = None) -> None:
         self._guard = guard
         self._server = server
+        self._tls = tls
+        self._counted = False  # holds one of the guard's places
+        self._handshake: _Eager | None = None  # the TLS handshake in progress
+        self._early = b""  # bytes decrypted before the TLS handshake's end was seen
         self._inner: web.RequestHandler | None = None
         self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
@@ -225,14 +256,43 @@ class _Connection(asyncio.Protocol):
         if not self._guard._admit():
             transport.close()  # nothing was written: the socket is closed at once
             return
+        self._counted = True
+        if self._tls is None:
+            self._serve(transport)
+            return
+        # Started here, not in a task: uvloop starts reading as soon as this returns, and the bytes
+        # read before start_tls() made its SSL protocol the transport's would be lost to it.
+        handshake = self._loop.start_tls(transport, self, self._tls, server_side=True,
+                                         ssl_handshake_timeout=self._guard.head_timeout())
+        self._handshake = _Eager(handshake, self._handshaken)
+
+    def _handshaken(self, transport: asyncio.BaseTransport | None, exc: BaseException | None) -> None:
+        self._handshake = None
+        if exc is not None or transport is None:  # timed out, not TLS, reset: start_tls() closed it
+            log.debug("%s listener %s: TLS handshake failed: %r", self._guard.label, self._guard.where, exc)
+            self._release()
+        elif self._counted:  # else lost at the end of its handshake
+            self._serve(transport)
+            early, self._early = self._early, b""
+            if early:
+                self.data_received(early)
+
+    def _serve(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport
         self._inner = inner = self._server()
-        self._arm()  # the first head: from the accept
+        self._arm()  # the first head: from the accept (or the end of the TLS handshake)
         inner.connection_made(transport)
+
+    def _release(self) -> None:
+        if self._counted:
+            self._counted = False
+            self._guard.open -= 1
 
     def data_received(self, data: bytes) -> None:
         inner = self._inner
         if inner is None:
+            if self._handshake is not None:  # TLS: decrypted before start_tls() returned it
+                self._early += data
             return
         start = self._received
         self._received = received = start + len(data)
@@ -249,10 +309,10 @@ class _Connection(asyncio.Protocol):
         return None  # close the transport
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._release()
         inner, self._inner = self._inner, None
         if inner is None:
             return
-        self._guard.open -= 1
         self._deadline = 0.0
         if self._timer is not None:
             self._timer.cancel()
@@ -329,35 +389,3 @@ class _Connection(asyncio.Protocol):
             transport.abort()  # a client that does not read cannot hold the socket either
         else:
             transport.close()
-
-
-class _Site(web.BaseSite):
-    """A listening socket served under a guard (aiohttp's ``SockSite``, with the guard's protocol)."""
-
-    def __init__(self, runner: web.BaseRunner, sock: socket.socket, guard: ListenerGuard, *,
-                 ssl_context: ssl.SSLContext | None, backlog: int) -> None:
-        super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
-        self._owner, self._sock, self._guard = runner, sock, guard
-        self._tls, self._queue = ssl_context, backlog
-        host, port = sock.getsockname()[:2]
-        self._name = f"{'https' if ssl_context else 'http'}://{host}:{port}"
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    async def start(self) -> None:
-        await super().start()
-        server = self._owner.server
-        assert server is not None, "runner.setup() first"
-        loop = asyncio.get_running_loop()
-        factory = self._guard.protocol_factory(server)
-        if self._tls is None:
-            self._server = await loop.create_server(factory, sock=self._sock, backlog=self._queue)
-        else:  # a handshake that never finishes is bounded by the same deadline
-            self._server = await loop.create_server(factory, sock=self._sock, backlog=self._queue, ssl=self._tls,
-                                                    ssl_handshake_timeout=self._guard.head_timeout())
-
-    async def stop(self) -> None:
-        await super().stop()
-        self._guard.close()

@@ -90,7 +90,7 @@ async def listen(
     started = 0
     try:
         for sock in sockets:
-            await guard.site(runner, sock, ssl_context=ssl_context, backlog=backlog).start()
+            await _Site(runner, sock, guard, ssl_context=ssl_context, backlog=backlog).start()
             started += 1
     except BaseException:
         for sock in sockets[started:]:  # the started sites own (and close) theirs
@@ -98,6 +98,35 @@ async def listen(
                 sock.close()
         raise
     return address
+
+
+class _Site(web.BaseSite):
+    """A listening socket served under a guard (aiohttp's ``SockSite``, with the guard's protocol)."""
+
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, guard: ListenerGuard, *,
+                 ssl_context: ssl.SSLContext | None, backlog: int) -> None:
+        super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
+        self._owner, self._sock, self._guard = runner, sock, guard
+        self._tls, self._queue = ssl_context, backlog
+        host, port = sock.getsockname()[:2]
+        self._name = f"{'https' if ssl_context else 'http'}://{host}:{port}"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._owner.server
+        assert server is not None, "runner.setup() first"
+        loop = asyncio.get_running_loop()
+        # TLS: each connection makes its handshake (within head_timeout) under the guard's count
+        factory = self._guard.protocol_factory(server, self._tls)
+        self._server = await loop.create_server(factory, sock=self._sock, backlog=self._queue)
+
+    async def stop(self) -> None:
+        await super().stop()
+        self._guard.close()
 
 
 def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
