@@ -165,12 +165,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_proxy(upstream: str, redis_url: str, workdir: Path, workers: int, limits: bool = True,
-                fast_path: bool = True) -> tuple[subprocess.Popen[str], str, str, list[int]]:
-    """The proxy process, its URL, its admin URL and the pids doing the work (its workers, if any)."""
-    config = workdir / "proxy.toml"
-    ports = (free_port(), free_port()) if workers > 1 else (0, 0)  # workers share fixed ports
-    config.write_text(f"""
+def proxy_toml(upstream: str, redis_url: str, ports: tuple[int, int] = (0, 0), limits: bool = True,
+               fast_path: bool = True, extra: str = "") -> str:
+    """The benchmarks' proxy.toml: one rule with a huge limit on every path (``limits``), library mode;
+    ``extra``: more lines of ``[proxy]``."""
+    return f"""
 [proxy]
 listen = "127.0.0.1:{ports[0]}"
 admin_listen = "127.0.0.1:{ports[1]}"
@@ -178,7 +177,7 @@ upstreams = ["{upstream}"]
 region = "bench"
 redis_url = "{redis_url}"
 fast_path = {str(fast_path).lower()}
-
+{extra}
 [[rule]]
 name = "bench"
 limit = "1000000000/10s"
@@ -189,7 +188,15 @@ limits = {'[ { rule = "bench", key = "ip" } ]' if limits else "[]"}
 
 [log]
 level = "INFO"
-""")
+"""
+
+
+def start_proxy(upstream: str, redis_url: str, workdir: Path, workers: int, limits: bool = True,
+                fast_path: bool = True) -> tuple[subprocess.Popen[str], str, str, list[int]]:
+    """The proxy process, its URL, its admin URL and the pids doing the work (its workers, if any)."""
+    config = workdir / "proxy.toml"
+    ports = (free_port(), free_port()) if workers > 1 else (0, 0)  # workers share fixed ports
+    config.write_text(proxy_toml(upstream, redis_url, ports, limits, fast_path))
     proc = subprocess.Popen([sys.executable, "-m", "geolimit.cli", "proxy", "--config", str(config),
                              "--workers", str(workers)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None

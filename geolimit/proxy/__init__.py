@@ -22,7 +22,10 @@ Behaviour:
   413 body over ``max_body``, 502 upstream unreachable or broken, 504 upstream
   timeout (an admitted request's 413, 502 and 504 keep its ``RateLimit`` fields:
   it consumed quota). An upstream failure after the response started aborts the client's
-  connection. A client that goes away cancels its upstream exchange.
+  connection. A client that goes away cancels its upstream exchange. Every upstream
+  failure counts in ``geolimit_proxy_upstream_errors_total{upstream,kind}``; the log
+  gets at most one line per 10 s per upstream and kind, counting the others
+  (geolimit/proxy/failures.py).
 * **Streaming**: bodies stream both ways with bounded buffers (any size; only
   request and response bodies of at most 64 KiB with a known length are read
   whole). ``Expect:

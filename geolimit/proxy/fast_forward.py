@@ -1,7 +1,8 @@
 """One request on the fast path: decide, send it upstream, relay the answer (geolimit/proxy/fast_server.py).
 
 The same steps, answers, metrics and log lines as the aiohttp handler
-(geolimit/proxy/handler.py): :func:`~geolimit.proxy.decide.decide` first; then the
+(geolimit/proxy/handler.py; its upstream failures go through the same
+:class:`~geolimit.proxy.failures.UpstreamFailures`): :func:`~geolimit.proxy.decide.decide` first; then the
 upstreams in turn (the next one after a connect failure, for idempotent requests,
 as ``retry_connect`` says); a pooled connection that turns out to be closed by the
 upstream before it answered is retried once on a new connection (idempotent
@@ -13,7 +14,6 @@ whole and sent with the head in one write; others stream with flow control.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import TYPE_CHECKING
 
 from aiohttp.http import SERVER_SOFTWARE
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     from geolimit.proxy.fast_server import FastProtocol
 
 __all__ = ["FastForwarder"]
-
-log = logging.getLogger("geolimit.proxy")
 
 _BODILESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})  # no Content-Length: 0 added (as aiohttp)
 
@@ -241,9 +239,7 @@ class FastForwarder:
             conn.abort()
             raise
         except (asyncio.TimeoutError, _WireError, OSError) as exc:
-            self.metrics.upstream_error(up.base, "body_aborted")
-            log.warning("upstream %s: response body of %s %s broke off (%s: %.200s); aborting the client's "
-                        "connection", up.base, req.method, req.path, type(exc).__name__, exc)
+            self.forwarder.failures.body_aborted(up.base, req.method, req.path, exc)
             client.abort()
             return status
         finally:
@@ -252,10 +248,7 @@ class FastForwarder:
         return status
 
     def _count_unreachable(self, up: Upstream, exc: BaseException, retrying: bool) -> None:
-        timed_out = isinstance(exc, asyncio.TimeoutError)
-        self.metrics.upstream_error(up.base, "timeout" if timed_out else "connect")
-        log.warning("upstream %s: cannot connect: %.200s%s", up.base, exc or type(exc).__name__,
-                    "; trying the next upstream" if retrying else "")
+        self.forwarder.failures.unreachable(up.base, exc, isinstance(exc, asyncio.TimeoutError), retrying)
 
     @staticmethod
     def _unreachable(exc: BaseException, req: FastRequest, extra: list[tuple[str, str]]) -> Local:
@@ -268,9 +261,7 @@ class FastForwarder:
                 extra: list[tuple[str, str]]) -> Local:
         """The exchange failed before the response could be sent (``extra``: as for :meth:`_unreachable`)."""
         if isinstance(exc, asyncio.TimeoutError):
-            self.metrics.upstream_error(up.base, "timeout")
-            log.warning("upstream %s: no response within %.3gs to %s %s", up.base, timeout, req.method, req.path)
+            self.forwarder.failures.no_response(up.base, timeout, req.method, req.path)
             return local_problem(504, "Gateway Timeout", "the upstream did not answer in time", req.path, extra)
-        self.metrics.upstream_error(up.base, "protocol")
-        log.warning("upstream %s: %s %s failed: %s: %.200s", up.base, req.method, req.path, type(exc).__name__, exc)
+        self.forwarder.failures.broken(up.base, req.method, req.path, exc)
         return local_problem(502, "Bad Gateway", "the upstream failed to answer", req.path, extra)

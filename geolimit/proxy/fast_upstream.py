@@ -160,6 +160,11 @@ class UpstreamConnection(LazyDeadline, asyncio.Protocol):
         waiter: asyncio.Future[UpstreamHead] = self._loop.create_future()
         self._head_waiter = waiter
         self._arm(timeout)
+        if self.closed or self.transport.is_closing():
+            # Reset since it was connected (an upstream that accepts and closes at once): uvloop's
+            # write raises RuntimeError there, which failed the request with a traceback and no answer.
+            self._fail(_UpstreamClosed("the upstream closed the connection before the request was sent"))
+            return waiter
         self.transport.write(data)
         return waiter
 

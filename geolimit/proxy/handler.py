@@ -35,6 +35,7 @@ from yarl import URL
 from geolimit.http.keys import RequestInfo
 from geolimit.proxy.config import ProxyConfig
 from geolimit.proxy.decide import Local, decide, local_problem
+from geolimit.proxy.failures import UpstreamFailures
 from geolimit.proxy.forwarding import request_headers, response_headers
 from geolimit.proxy.metrics import ProxyMetrics
 from geolimit.proxy.state import State, Upstream, upstream_for
@@ -130,6 +131,7 @@ class Forwarder:
         self.state = state
         self.session = session
         self.metrics = metrics
+        self.failures = UpstreamFailures(metrics)  # the fast path's too
         self._next = 0
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -272,10 +274,7 @@ class Forwarder:
         return upstream
 
     def _count_unreachable(self, up: Upstream, exc: Exception, retrying: bool) -> None:
-        timed_out = isinstance(exc, aiohttp.ConnectionTimeoutError)
-        self.metrics.upstream_error(up.base, "timeout" if timed_out else "connect")
-        log.warning("upstream %s: cannot connect: %.200s%s", up.base, exc,
-                    "; trying the next upstream" if retrying else "")
+        self.failures.unreachable(up.base, exc, isinstance(exc, aiohttp.ConnectionTimeoutError), retrying)
 
     def _unreachable(self, request: web.BaseRequest, exc: Exception,
                      extra: Iterable[tuple[str, str]]) -> web.StreamResponse:
@@ -297,14 +296,10 @@ class Forwarder:
         if "client" in failure:
             return self._client_gone(request, "while sending its body")
         if isinstance(exc, asyncio.TimeoutError):
-            self.metrics.upstream_error(up.base, "timeout")
-            log.warning("upstream %s: no response within %.3gs to %s %s", up.base, config.timeout,
-                        request.method, request.path)
+            self.failures.no_response(up.base, config.timeout, request.method, request.path)
             return self._unread(request, problem(
                 504, "Gateway Timeout", "the upstream did not answer in time", request.path, extra))
-        self.metrics.upstream_error(up.base, "protocol")
-        log.warning("upstream %s: %s %s failed: %s: %.200s", up.base, request.method, request.path,
-                    type(exc).__name__, exc)
+        self.failures.broken(up.base, request.method, request.path, exc)
         return self._unread(request, problem(502, "Bad Gateway", "the upstream failed to answer", request.path,
                                              extra))
 
@@ -354,9 +349,7 @@ class Forwarder:
             try:
                 chunk = await content.readany()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                self.metrics.upstream_error(up.base, "body_aborted")
-                log.warning("upstream %s: response body of %s %s broke off (%s: %.200s); aborting the client's "
-                            "connection", up.base, request.method, request.path, type(exc).__name__, exc)
+                self.failures.body_aborted(up.base, request.method, request.path, exc)
                 if request.transport is not None:
                     request.transport.abort()
                 return resp

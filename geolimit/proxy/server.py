@@ -203,6 +203,8 @@ class Proxy:
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
+        if self.forwarder is not None:
+            self.forwarder.failures.close()  # the upstream failures still held back from the log
         if self._session is not None:
             await self._session.close()
             self._session = None

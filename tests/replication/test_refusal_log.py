@@ -28,5 +28,6 @@ def test_repeated_refusals_are_logged_once_per_ten_seconds_with_a_count(caplog: 
         "gossip from 127.0.0.1 refused: bad signature on a message naming region 'c'",
         "gossip from 127.0.0.9 refused: bad signature on a message naming region 'c'",
         "gossip from 127.0.0.1 refused: message from unknown region 'x'",
-        "gossip from 127.0.0.1 refused: bad signature on a message naming region 'c' (49 more like it in the last 10 s)",
+        "gossip from 127.0.0.1 refused: 50 more like it in the last 11 s "
+        "(latest: bad signature on a message naming region 'c')",
     ]
