@@ -127,12 +127,19 @@ class ListenerGuard:
 
     # -- the connections' side ----------------------------------------------------------
 
-    def _admit(self) -> bool:
+    def admit(self) -> bool:
+        """Take a place for a new connection; False (counted, logged) when none is left: close it.
+        (The proxy's fast path takes places for its own connections, and gives one back with
+        :meth:`release` just before it hands that connection to aiohttp.)"""
         if self.open >= self.max_connections():
             self._note("connection_limit")
             return False
         self.open += 1
         return True
+
+    def release(self) -> None:
+        """Give back a place taken by :meth:`admit`."""
+        self.open -= 1
 
     def _note(self, reason: str) -> None:
         self.dropped(reason)
@@ -253,7 +260,7 @@ class _Connection(asyncio.Protocol):
     # -- asyncio's callbacks ----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if not self._guard._admit():
+        if not self._guard.admit():
             transport.close()  # nothing was written: the socket is closed at once
             return
         self._counted = True
@@ -286,7 +293,7 @@ class _Connection(asyncio.Protocol):
     def _release(self) -> None:
         if self._counted:
             self._counted = False
-            self._guard.open -= 1
+            self._guard.release()
 
     def data_received(self, data: bytes) -> None:
         inner = self._inner

@@ -12,6 +12,10 @@ HTTP/1.0, absolute-form targets, bytes outside printable ASCII, heads over
 byte, to aiohttp's server running the usual handler, which serves or refuses it as
 the proxy always has; the connection stays with aiohttp from then on.
 
+Connections count against the listener's cap (``max_connections``: the
+:class:`~geolimit.http.connections.ListenerGuard`'s, shared with the connections handed
+to aiohttp): one over it is closed at its accept.
+
 Timeouts of the client side: a request head (and its small body) must arrive within
 :data:`HEAD_TIMEOUT` seconds of its first byte (else 408 and the connection is
 closed: a slow sender cannot hold a connection forever); an idle keep-alive
@@ -26,6 +30,7 @@ import socket
 from collections.abc import Callable
 from typing import cast
 
+from geolimit.http.connections import ListenerGuard
 from geolimit.http.listener import KEEPALIVE_TIMEOUT  # the same as the aiohttp listeners'
 from geolimit.proxy.decide import Local, local_problem
 from geolimit.proxy.fast_forward import FastForwarder, _Relay
@@ -63,11 +68,17 @@ class FastProtocol(LazyDeadline, asyncio.Protocol):
         self._head_timer = False  # the deadline is a partial request's, not an idle connection's
         self._paused = False
         self._close_after = False
+        self._counted = False  # holds a place under the listener's cap
         self._loop = server.loop
 
     # -- asyncio callbacks ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        guard = self.server.guard
+        if guard is not None and not guard.admit():  # over the listener's max_connections
+            transport.close()
+            return
+        self._counted = guard is not None
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
         peer = self.transport.get_extra_info("peername")
         self.peer = str(peer[0]) if isinstance(peer, (list, tuple)) else None
@@ -86,6 +97,7 @@ class FastProtocol(LazyDeadline, asyncio.Protocol):
         return False  # close: a request in flight is cancelled, as aiohttp's handler_cancellation does
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._release()
         self.server.connections.discard(self)
         self._drop_timer()
         task, self._task = self._task, None
@@ -216,6 +228,11 @@ class FastProtocol(LazyDeadline, asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
+    def _release(self) -> None:
+        if self._counted and self.server.guard is not None:
+            self._counted = False
+            self.server.guard.release()
+
     def _hand_off(self) -> None:
         """Give the connection to aiohttp's server, from this request's first byte on."""
         transport = self.transport
@@ -224,6 +241,7 @@ class FastProtocol(LazyDeadline, asyncio.Protocol):
         self._drop_timer()
         self.server.connections.discard(self)
         self.server.handed_off += 1
+        self._release()  # the place goes with the connection: aiohttp's guard takes it back at once
         self.transport = None
         handler = self.server.fallback()
         transport.set_protocol(handler)
@@ -239,9 +257,12 @@ class FastServer:
     """The fast path's listening sockets and connections."""
 
     def __init__(self, forwarder: FastForwarder, fallback: Callable[[], asyncio.Protocol],
-                 body_limit: Callable[[], int], server_software: str) -> None:
+                 body_limit: Callable[[], int], server_software: str, guard: ListenerGuard | None = None) -> None:
+        """``fallback()``: aiohttp's protocol for a connection handed off; ``guard``: the listener's
+        cap on open connections (the fast path's and those handed to aiohttp, under ``guard``'s too)."""
         self.forwarder = forwarder
         self.fallback = fallback
+        self.guard = guard
         self.body_limit = body_limit
         self.server_software = server_software
         self.loop = asyncio.get_running_loop()

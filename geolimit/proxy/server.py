@@ -147,7 +147,7 @@ class Proxy:
                 guard = self.metrics.watch_listener(ListenerGuard(
                     "admin_listen" if i else "listen", head_timeout=lambda: HEAD_TIMEOUT, max_connections=lambda: cap))
                 if i == 0 and self._fast_path():
-                    self._addresses.append(await self._serve_fast(guard.protocol_factory(server), host, port))
+                    self._addresses.append(await self._serve_fast(guard, guard.protocol_factory(server), host, port))
                 else:
                     self._addresses.append(await listen(runner, host, port, reuse_port=self.reuse_port, guard=guard))
         except OSError as exc:
@@ -165,8 +165,10 @@ class Proxy:
         """The fast path serves the listener unless turned off or an upstream needs TLS."""
         return self.config.fast_path and all(u.startswith("http://") for u in self.config.upstreams)
 
-    async def _serve_fast(self, handoff: Callable[[], asyncio.Protocol], host: str, port: int) -> tuple[str, int]:
-        """The proxied listener on the fast path; ``handoff()`` (aiohttp's) gets the connections it hands off."""
+    async def _serve_fast(self, guard: ListenerGuard, handoff: Callable[[], asyncio.Protocol], host: str,
+                          port: int) -> tuple[str, int]:
+        """The proxied listener on the fast path; ``handoff()`` (aiohttp's) gets the connections it hands off;
+        ``guard``'s cap holds both."""
         assert self.forwarder is not None
         sockets = bind_sockets(host, port, reuse_port=self.reuse_port)
         address: tuple[str, int] = sockets[0].getsockname()[:2]
@@ -175,7 +177,7 @@ class Proxy:
             max_body = self.config.max_body
             return SMALL_BODY if max_body is None else min(SMALL_BODY, max_body)
 
-        fast = FastServer(FastForwarder(self.forwarder, UpstreamPool()), handoff, body_limit, SERVER_SOFTWARE)
+        fast = FastServer(FastForwarder(self.forwarder, UpstreamPool()), handoff, body_limit, SERVER_SOFTWARE, guard)
         self._fast = fast
         try:
             await fast.serve(sockets)

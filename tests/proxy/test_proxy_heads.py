@@ -72,3 +72,44 @@ async def test_every_aiohttp_listener_closes_a_half_sent_head_at_the_deadline(
         assert b'geolimit_proxy_connections_dropped_total{listener="listen",reason="head_timeout"} 1.0' in \
             proxy.metrics.render()
     assert not [seen for seen in upstream.seen if seen.target in ("/x", "/limi")]
+
+
+async def test_the_fast_path_s_own_connections_count_against_the_cap(
+    upstream: Upstream, redis_url: str, redis_client: redis.Redis, start_proxy: StartProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cap held only the connections the fast path handed to aiohttp: with RLIMIT_NOFILE 1024, 2000
+    idle connections pinned a proxy at 1024 descriptors and failed every request."""
+    monkeypatch.setattr(proxy_server, "default_max_connections", lambda listeners=1: 4)
+    proxy = await start_proxy(config(upstream.url, redis_url, key_prefix="cap"))
+    assert proxy._fast is not None
+    host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+    held = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
+    chunked = await asyncio.open_connection(host, int(port))  # the 4th place, then handed to aiohttp
+    excess = [await asyncio.open_connection(host, int(port)) for _ in range(20)]
+    for reader, writer in excess:  # closed at their accept
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+    assert proxy.metrics.connections_dropped == {("listen", "connection_limit"): 20}
+    reader, writer = chunked
+    writer.write(b"POST /upload HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    status = await asyncio.wait_for(reader.readline(), 5)
+    assert status == b"HTTP/1.1 200 OK\r\n", "its place went with it to aiohttp"
+    assert proxy._fast.handed_off == 1
+    writer.close()
+    held[0][1].close()  # now two places are free: the fast path's and aiohttp's gave theirs back
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while await _status(proxy.url) != b"HTTP/1.1 200 OK":
+        assert loop.time() < deadline, "no place given back"
+        await asyncio.sleep(0.01)
+    assert list(await asyncio.gather(_status(proxy.url), _status(proxy.url))) == [b"HTTP/1.1 200 OK"] * 2
+    assert await _status(proxy.url) == b"HTTP/1.1 200 OK"
+    for _, w in held[1:]:
+        w.close()
+
+
+async def _status(url: str) -> bytes:
+    """The status line of a GET on a new connection (empty: closed at its accept)."""
+    data, _ = await _until_closed(url, b"GET /x HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+    return data.split(b"\r\n", 1)[0]
