@@ -9,7 +9,7 @@ A complete file (every key; only ``[proxy] upstreams``, one of ``redis_url`` /
     upstreams = ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]   # round robin
     connect_timeout = "5s"                # connecting to an upstream (default 5 s)
     timeout = "30s"                       # upstream silence: until headers -> 504 (default 30 s)
-    body_timeout = "30s"                  # waiting for a request body, + 1 s per 64 KiB received -> 408
+    body_timeout = "30s"                  # waiting for a request body, + 1 s per KiB received -> 408
     retry_connect = true                  # next upstream on connect failure (bodiless idempotent requests)
     preserve_host = false                 # false: Host = the upstream's; true: the client's
     fast_path = true                      # serve common requests without aiohttp (http:// upstreams only)

@@ -12,9 +12,9 @@ response never looks complete.
 Body deadline: the time the proxy spends waiting for the client's body (not for the
 upstream to take it) may be ``body_timeout`` seconds (30 s: the fast path's for a
 head and its small body), plus one second for every :data:`BODY_RATE` bytes received,
-so an upload that moves keeps going and a trickle does not: past it, the upstream
-exchange is abandoned (its connection closed) and the client gets 408, connection
-closed.
+so an upload that moves keeps going, however slow its uplink, and a trickle does not:
+past it, the upstream exchange is abandoned (its connection closed) and the client gets
+408, connection closed.
 
 Retries: a request goes to the next upstream (round robin) only when connecting
 failed, its method is idempotent and its body is not being streamed (no body,
@@ -45,8 +45,10 @@ __all__ = ["BODY_RATE", "SMALL_BODY", "Forwarder", "State", "Upstream", "problem
 log = logging.getLogger("geolimit.proxy")
 
 SMALL_BODY = 64 * 1024
-#: Bytes of a request body that buy one more second of ``body_timeout``.
-BODY_RATE = 64 * 1024
+#: Bytes of a request body that buy one more second of ``body_timeout``: an upload must
+#: average 1 KiB/s (8 kbit/s, below any real uplink; Apache's mod_reqtimeout asks 500 B/s)
+#: once its first ``body_timeout`` is spent. It was 64 KiB: uploads under 512 kbit/s were cut.
+BODY_RATE = 1024
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 _NO_BODY_STATUS = frozenset({204, 304})
 

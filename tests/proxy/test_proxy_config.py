@@ -60,7 +60,7 @@ def test_minimal_agent_mode_file_and_defaults(tmp_path: Path) -> None:
     assert config.listen == ("127.0.0.1", 8080), "loopback by default"
     assert config.admin_listen is None
     assert config.max_body is None
-    assert config.body_timeout == 30.0, "a request body must arrive within 30 s (+1 s per 64 KiB) by default"
+    assert config.body_timeout == 30.0, "a request body must arrive within 30 s (+1 s per KiB) by default"
     assert config.routes[0].limits[0].shadow
     assert config.routes[1].limits == ()
 
