@@ -34,11 +34,13 @@ does not say whether it holds part of a head, so the connection tracks where the
 requests dispatched so far end on the wire: the head ends at the first blank line
 after the previous request (a head holds none before its end), and the body is
 ``Content-Length`` bytes. Bytes beyond that end, while no request is being handled,
-are the next head's: its deadline runs. When that end cannot be known (a chunked or
-upgraded request, or pipelined bytes that arrived before the request ahead of them
-was dispatched) every later request counts as having left such bytes, so after each
-response the next head must come within ``head_timeout``: a client idling longer is
-closed sooner than ``keepalive_timeout``, never held longer.
+are the next head's: its deadline runs. A chunked (or upgraded) request read to its
+end ends where the bytes received by its answer do (bytes a client pipelined after it
+would count as idle, held no longer than an idle connection is). When the end cannot
+be known otherwise (pipelined bytes that arrived before the request ahead of them was
+dispatched, a body not read to its end) every later request counts as having left
+such bytes, so after each response the next head must come within ``head_timeout``: a
+client idling longer is closed sooner than ``keepalive_timeout``, never held longer.
 """
 
 from __future__ import annotations
@@ -206,7 +208,7 @@ class _Dispatch:
         try:
             return await self.handler(request)
         finally:
-            conn.finished()
+            conn.finished(request)
 
 
 def _framed(request: web.BaseRequest) -> bool:
@@ -218,25 +220,8 @@ def _framed(request: web.BaseRequest) -> bool:
 class _Connection(asyncio.Protocol):
     """One connection: aiohttp's handler behind the cap and the head deadline."""
 
-    __slots__ = (
-        "_busy",
-        "_counted",
-        "_deadline",
-        "_early",
-        "_end",
-        "_guard",
-        "_handshake",
-        "_head_end",
-        "_inner",
-        "_loop",
-        "_mark",
-        "_received",
-        "_server",
-        "_tail",
-        "_timer",
-        "_tls",
-        "_transport",
-    )
+    __slots__ = ("_busy", "_counted", "_deadline", "_early", "_end", "_guard", "_handshake", "_head_end", "_inner",
+                 "_loop", "_mark", "_received", "_server", "_tail", "_timer", "_tls", "_transport")
 
     def __init__(self, guard: ListenerGuard, server: web.Server, tls: ssl.SSLContext | None = None) -> None:
         self._guard = guard
@@ -349,10 +334,15 @@ class _Connection(asyncio.Protocol):
         # Bytes past its end came before it was dispatched (pipelined): they were not searched.
         self._end = end if self._received <= end else None
 
-    def finished(self) -> None:
+    def finished(self, request: web.BaseRequest) -> None:
         """The application answered; bytes past the request's end are the next head's."""
         self._busy = False
-        if self._inner is not None and (self._end is None or self._received > self._end):
+        if self._end is None and not _framed(request) and request.content.is_eof():
+            # A chunked body read to its end: bytes after it came before the answer, from a client that
+            # pipelines. They are taken as this request's, so the connection idles as after any other
+            # (held no longer than keepalive_timeout, as an idle one) and a next byte starts a head.
+            self._end, self._head_end, self._tail = self._received, None, b""
+        elif self._inner is not None and (self._end is None or self._received > self._end):
             self._arm()
 
     def _scan(self, data: bytes, start: int, end: int) -> None:

@@ -146,6 +146,31 @@ async def test_keep_alive_idles_between_requests_but_a_started_head_must_finish(
     assert data.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), data[:100]
 
 
+CHUNKED = (b"POST /v1/check HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"%x\r\n%s\r\n0\r\n\r\n" % (len(CHECK), CHECK))
+
+
+async def test_after_a_chunked_request_the_connection_idles_as_any_kept_alive_one(start_agent: StartAgent) -> None:
+    """Where a chunked body ends on the wire is not counted by the guard, which then took the client's idle
+    time for a head's: the connection was closed after head_timeout (10 s, not 75) and counted and logged
+    as a head_timeout drop. Once the body was read to its end, the connection idles as after any request."""
+    agent = await start_agent(head_timeout=0.3)
+    reader, writer, _ = conn = await _connect(agent.api_url, CHUNKED)
+    assert await _answer(reader) == b"HTTP/1.1 200 OK"
+    await asyncio.sleep(1.0)  # idle for three deadlines: keepalive_timeout governs that, not the head deadline
+    writer.write(CHUNKED)
+    assert await _answer(reader) == b"HTTP/1.1 200 OK", "the connection is still open"
+    await asyncio.sleep(1.0)
+    writer.write(REQUEST)
+    assert await _answer(reader) == b"HTTP/1.1 200 OK"
+    assert _sample(agent, "geolimit_http_connections_dropped_total", listener="listen", reason="head_timeout") == 0
+    writer.write(CHUNKED + b"POST /v1/check HTTP/1.1\r\nHo")  # ... but half a head after it still has its deadline
+    assert await _answer(reader) == b"HTTP/1.1 200 OK"
+    writer.write(b"st: a\r\n")
+    data, _ = await _until_closed(conn)
+    assert data.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), data[:100]
+
+
 async def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout(
     start_agent: StartAgent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
