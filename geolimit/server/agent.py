@@ -149,7 +149,7 @@ class Agent:
             add_api_routes(api_app, self)
             add_health_routes(api_app, self)
             apps.append(("api_listen", api_app, cfg.api_listen, None))
-        cap = default_max_connections(len(apps))  # each listener's share of RLIMIT_NOFILE
+        cap = default_max_connections(len(apps) + (cfg.rls_listen is not None))  # each listener's share of RLIMIT_NOFILE
         try:
             for label, app, (host, port), ssl_ctx in apps:
                 # A stop waits this long for requests in progress (aiohttp's default: 60 s); a peer
@@ -164,7 +164,8 @@ class Agent:
                 self._addresses.append(await listen(runner, host, port, ssl_context=ssl_ctx, guard=guard,
                                                     reuse_port=cfg.workers > 1))  # the workers share the port
             if cfg.rls_listen is not None:
-                await self._start_rls(cfg.rls_listen)
+                await self._start_rls(cfg.rls_listen, self.metrics.watch_listener(ListenerGuard(
+                    "rls_listen", max_connections=lambda: self.config.max_connections or cap)))
         except OSError as exc:
             await self._close()
             raise GeolimitError(f"agent {cfg.region}: cannot listen: {exc}") from exc
@@ -199,12 +200,12 @@ class Agent:
     def body_timeout(self) -> float:
         return self.config.timeout
 
-    async def _start_rls(self, address: tuple[str, int]) -> None:
+    async def _start_rls(self, address: tuple[str, int], guard: ListenerGuard) -> None:
         from geolimit.server.rls.server import RlsServer  # grpcio and xds-protos: the rls extra
 
         if self.rls is None:  # once per agent: it owns metrics in the agent's registry
             self.rls = RlsServer(self, micros_source(self._decision_clock) or (lambda: None))
-        self._rls_address = await self.rls.start(address, reuse_port=self.config.workers > 1)
+        self._rls_address = await self.rls.start(address, reuse_port=self.config.workers > 1, guard=guard)
 
     async def start(self) -> None:
         """Listen (if not yet) and start the gossip loop."""

@@ -21,7 +21,10 @@ protocol end the connection with GOAWAY (``PROTOCOL_ERROR`` and the like), as
 does a frame (or the preface) left incomplete for :data:`FRAME_TIMEOUT` seconds.
 A request whose stream has not ended :data:`REQUEST_TIMEOUT` seconds after its
 HEADERS (``[region] rls_request_timeout``) is answered ``DEADLINE_EXCEEDED`` and its
-stream reset, its bytes released (:mod:`geolimit.server.rls.h2deadline`).
+stream reset, its bytes released (:mod:`geolimit.server.rls.h2deadline`). At most
+``max_connections`` connections are open (a :class:`~geolimit.http.connections.ListenerGuard`,
+as the HTTP listeners'): one more is closed at its accept (a connection that has sent its
+preface may idle for ever, as a gRPC client's does).
 ``grpc-timeout`` is ignored: the client cancels a late call itself (RST_STREAM).
 """
 
@@ -35,6 +38,7 @@ from collections.abc import Callable
 from typing import cast
 
 from geolimit.errors import GeolimitError
+from geolimit.http.connections import ListenerGuard
 from geolimit.server.rls.h2conn import H2Connection, Limits, RequestDeadline
 
 __all__ = ["CLOCK", "FRAME_TIMEOUT", "MAX_HEADER_LIST", "MAX_MESSAGE", "MAX_STREAMS", "REQUEST_TIMEOUT", "FastCall",
@@ -76,9 +80,11 @@ class FastServer:
 
     def __init__(self, method: str, handle: Callable[[FastCall], None], *, limits: Limits | None = None,
                  request_timeout: Callable[[], float] | None = None, timed_out: Callable[[int], None] | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, guard: ListenerGuard | None = None) -> None:
         """``request_timeout()``: each new stream's deadline (default :data:`REQUEST_TIMEOUT`);
-        ``timed_out(n)``: ``n`` requests were reset past it; ``clock``: default :data:`CLOCK`."""
+        ``timed_out(n)``: ``n`` requests were reset past it; ``clock``: default :data:`CLOCK`;
+        ``guard``: the cap on open connections (none without it)."""
+        self.guard = guard
         self._method = method.encode()
         self._handle = handle
         self.limits = limits or Limits(MAX_MESSAGE, MAX_HEADER_LIST, MAX_STREAMS, FRAME_TIMEOUT)
@@ -94,12 +100,15 @@ class FastServer:
         try:
             self._server = await loop.create_server(
                 lambda: H2Connection(self._method, self._dispatch, self.limits, self.connections, self._gone,
-                                     self.deadline),
+                                     self.deadline, self.guard),
                 host, port, reuse_port=reuse_port or None, backlog=1024,
             )
         except OSError as exc:
             raise GeolimitError(f"cannot listen for gRPC on {host}:{port}: {exc}") from exc
-        return int(self._server.sockets[0].getsockname()[1])
+        bound = int(self._server.sockets[0].getsockname()[1])
+        if self.guard is not None:
+            self.guard.where = f"{host}:{bound}"
+        return bound
 
     def _gone(self) -> None:
         if self._all_gone is not None and not self.connections:
@@ -128,4 +137,6 @@ class FastServer:
                 await asyncio.wait_for(self._all_gone.wait(), grace)
         for conn in list(self.connections):
             conn.close()
+        if self.guard is not None:
+            self.guard.close()  # what its log holds back
         await server.wait_closed()

@@ -11,6 +11,7 @@ from typing import cast
 import hpack
 from hpack import HPACKError, OversizedHeaderListError
 
+from geolimit.http.connections import ListenerGuard
 from geolimit.server.rls import h2wire as w
 from geolimit.server.rls.h2control import _H2ConnectionError, control
 from geolimit.server.rls.h2deadline import RequestDeadline, Timers
@@ -37,7 +38,10 @@ class H2Connection(Timers, asyncio.Protocol):
     """Server side of one connection; ``dispatch(conn, stream, request)`` gets each complete request."""
 
     def __init__(self, method: bytes, dispatch: Callable[[H2Connection, int, bytes], None], limits: Limits,
-                 registry: set[H2Connection], gone: Callable[[], None], deadline: RequestDeadline) -> None:
+                 registry: set[H2Connection], gone: Callable[[], None], deadline: RequestDeadline,
+                 guard: ListenerGuard | None = None) -> None:
+        self._guard = guard  # the listener's cap on open connections
+        self._counted = False  # holds one of its places
         self._method = method
         self._dispatch = dispatch
         self._limits = limits
@@ -78,6 +82,12 @@ class H2Connection(Timers, asyncio.Protocol):
     # -- asyncio.Protocol ----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._guard is not None:
+            if not self._guard.admit():  # over max_connections: closed before anything is sent
+                self.closed = True
+                transport.close()
+                return
+            self._counted = True
         self.transport = cast(asyncio.Transport, transport)
         self._registry.add(self)
         lim = self._limits
@@ -93,6 +103,9 @@ class H2Connection(Timers, asyncio.Protocol):
         return min(self._limits.max_message + 1024, w.MAX_WINDOW)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._counted and self._guard is not None:
+            self._counted = False
+            self._guard.release()
         self.closed = True
         self._registry.discard(self)
         self._gone()

@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 from prometheus_client import Counter, Histogram
 
 from geolimit.errors import GeolimitError, RequestError, StorageError
+from geolimit.http.connections import ListenerGuard
 from geolimit.server.rls.decide import Answer, Descriptor, Transaction, answer, degraded, plan
 from geolimit.server.rls.encode import encode_response
 from geolimit.server.rls.executor import Executor
@@ -90,8 +91,10 @@ class RlsServer:
             "(the HTTP/2 fast path)", registry=registry,
         )
 
-    async def start(self, address: tuple[str, int], reuse_port: bool = False) -> tuple[str, int]:
-        """Bind ``address`` and serve; returns the bound ``(host, port)``."""
+    async def start(self, address: tuple[str, int], reuse_port: bool = False,
+                    guard: ListenerGuard | None = None) -> tuple[str, int]:
+        """Bind ``address`` and serve; returns the bound ``(host, port)``. ``guard``: the fast path's
+        cap on open connections (grpcio's core has its own handling)."""
         host, port = address
         limiter = self._agent.require_limiter()
         self._executor = Executor(limiter, self._agent.config.region.encode(), self._now_us)
@@ -101,7 +104,7 @@ class RlsServer:
         try:
             if self._agent.config.rls_fast_path:
                 server = FastServer(METHOD, self._received, timed_out=self.request_timeouts.inc,
-                                    request_timeout=lambda: self._agent.config.rls_request_timeout)
+                                    request_timeout=lambda: self._agent.config.rls_request_timeout, guard=guard)
                 bound = await server.listen(host, port, reuse_port)
             else:
                 server = UnaryServer(METHOD, self._received, options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
