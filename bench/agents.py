@@ -5,7 +5,8 @@
 Each scenario starts 3 ``geolimit agent`` processes (regions r1, r2, r3), each on its own
 embedded redis-server, gossiping every 100 ms through user-space delay links
 (:class:`geolimit.netsim.FaultyLink`, one per ordered pair of regions, 50 ms one way in each
-direction: netem is not available here). A load generator in this process sends the
+direction: netem is not available here), which run in a process of their own (bench/_links.py: a
+load generator that falls behind must not delay gossip). A load generator in this process sends the
 scenario's arrivals (:func:`geolimit.sim.accuracy.arrivals`, the simulator's own) to each
 region's ``POST /v1/check`` at their real times and records every decision at the midpoint of
 its round trip. The exact oracle (:func:`geolimit.sim.oracle.measure`) judges the log with the
@@ -28,8 +29,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,21 +41,10 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _agents import (
-    AgentProcess,
-    die_with_parent,
-    free_port,
-    log_problems,
-    statuses,
-    stop_process,
-    wait_agents_ready,
-)
+from _agents import statuses
+from _cluster import Cluster, escrow_unavailable
 from _common import quantile
 
-from geolimit.core.rule import Rule
-from geolimit.errors import ConfigError
-from geolimit.netsim import FaultyLink, Latency
-from geolimit.server.run import CLOCK_OFFSET_ENV
 from geolimit.sim.accuracy import (
     SCENARIOS,
     SUBJECT,
@@ -70,7 +58,6 @@ from geolimit.sim.accuracy import (
 from geolimit.sim.oracle import Request, measure
 from geolimit.sim.report import INSUFFICIENT, MISS, PASS, outcome_rows, pct
 from geolimit.store.embedded import EmbeddedRedis
-from geolimit.toml_config import parse_rules
 
 DEFAULT_SCENARIOS = ("standard", "skewed", "bursts", "partition-local", "clock-skew", "burst-otp", "burst-login",
                      "handoff")
@@ -78,127 +65,6 @@ AGENTS, SIMULATOR, EXACT, AGENTS_ESCROW, SIM_ESCROW = "agents", "simulator", "ex
 #: The same-run baselines of each measured variant.
 BASELINES = {AGENTS: (SIMULATOR, EXACT), AGENTS_ESCROW: (SIM_ESCROW, EXACT)}
 ROOT = Path(__file__).resolve().parent.parent
-
-
-# -- the cluster: redis-servers, delay links, agent processes -------------------------------
-
-
-def rule_toml(s: Scenario, escrow: bool) -> str:
-    """The scenario's rule as an agent's ``[[rule]]`` table (escrow: mode, prediction and partition
-    policy do not apply)."""
-    r = s.rule()
-    lines = ["[[rule]]", f'name = "{r.name}"', f"limit = {r.limit}", f"window = {s.window!r}",
-             f"resolution = {s.resolution!r}"]
-    lines += ["escrow = true"] if escrow else [
-        f'mode = "{r.mode}"', f"predict = {str(r.predict).lower()}", f'partition = "{r.partition}"',
-        f"partition_after = {r.partition_after!r}"]
-    return "\n".join(lines) + "\n"
-
-
-def escrow_unavailable() -> str | None:
-    """Why the escrow variant cannot run yet, or None."""
-    options: dict[str, Any] = {"escrow": True}
-    try:
-        Rule("api", 5, 60.0, **options)
-    except TypeError:
-        return "Rule does not accept escrow=True yet"
-    try:
-        parse_rules([{"name": "api", "limit": 5, "window": 60, "escrow": True}], "bench")
-    except ConfigError as exc:
-        return f"the agent's [[rule]] table does not take escrow yet ({exc})"
-    return None
-
-
-def spawn_agent(name: str, config: Path, port: int, clock_offset: float | None) -> AgentProcess:
-    """``geolimit agent --config config``, logging next to its config, its clock ``clock_offset`` s off."""
-    env = dict(os.environ)
-    if clock_offset is not None:
-        env[CLOCK_OFFSET_ENV] = repr(clock_offset)
-    log = config.with_suffix(".log")
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "geolimit", "agent", "--config", str(config)], env=env, cwd=ROOT, stdout=out,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
-        )
-    return AgentProcess(name, f"http://127.0.0.1:{port}", proc, log)
-
-
-class Cluster:
-    """One redis-server and one ``geolimit agent`` per region; every peer URL is a delay link."""
-
-    def __init__(self, s: Scenario, folder: Path, escrow: bool) -> None:
-        self.s, self.folder, self.escrow = s, folder, escrow
-        self.redis: dict[str, EmbeddedRedis] = {}
-        self.links: dict[tuple[str, str], FaultyLink] = {}  # (from, to): what `from` dials to reach `to`
-        self.agents: list[AgentProcess] = []
-
-    async def __aenter__(self) -> Cluster:
-        try:
-            await self._start()
-        except BaseException:
-            await self.__aexit__()
-            raise
-        return self
-
-    async def _start(self) -> None:
-        s, secret = self.s, self.folder / "gossip.key"
-        secret.touch(mode=0o600)
-        secret.write_text(os.urandom(32).hex() + "\n")
-        ports = {name: free_port() for name in s.names}
-        for name in s.names:
-            self.redis[name] = await asyncio.to_thread(EmbeddedRedis().start)
-        delay = Latency(s.latency)
-        for a in s.names:
-            for b in s.names:
-                if a != b:
-                    link = FaultyLink("127.0.0.1", ports[b], up=delay, down=delay, name=f"{a}->{b}")
-                    self.links[a, b] = await link.start()
-        skew = dict(zip(s.names, s.skew, strict=True)) if s.skew else {}
-        for name in s.names:
-            peers = ", ".join(f'{{ name = "{b}", url = "{self.links[name, b].url}" }}' for b in s.names if b != name)
-            config = self.folder / f"{name}.toml"
-            config.write_text(
-                f'[region]\nname = "{name}"\nredis_url = "{self.redis[name].url}"\n'
-                f'listen = "127.0.0.1:{ports[name]}"\nsecret_file = "{secret}"\n'
-                f"[gossip]\ninterval = {s.interval!r}\npeers = [{peers}]\n[log]\nlevel = \"WARNING\"\n"
-                + rule_toml(s, self.escrow)
-            )
-            self.agents.append(spawn_agent(name, config, ports[name], skew.get(name)))
-        await wait_agents_ready(self.agents, 60.0)
-        await asyncio.sleep(3 * s.interval)  # a few gossip rounds with every peer
-        if self.escrow:
-            await self._escrow_released(60.0)
-
-    async def _escrow_released(self, seconds: float) -> None:
-        """Until no agent holds escrow state: a new Redis denies escrow rules until its
-        agent has pulled every peer (one send timeout plus a pull), as in a deployment."""
-        deadline = time.monotonic() + seconds
-        while True:
-            views = (await statuses(self.agents)).values()
-            escrow = [v.get("escrow") or {} for v in views]
-            if all(e.get("stats", {}).get("rounds", 0) >= 2 and e.get("held_shards") == 0 for e in escrow):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"escrow state still held after {seconds:.0f} s: {escrow}")
-            await asyncio.sleep(0.2)
-
-    async def __aexit__(self, *exc: object) -> None:
-        await asyncio.gather(*(asyncio.to_thread(stop_process, a.proc, 10.0) for a in self.agents))
-        for link in self.links.values():
-            await link.stop()
-        for server in self.redis.values():
-            await asyncio.to_thread(server.stop)
-
-    def cut(self, region: str, cut: bool) -> None:
-        """Partition (or heal) every link to and from ``region``."""
-        for pair, link in self.links.items():
-            if region in pair and cut:
-                link.partition()
-            elif region in pair:
-                link.heal()
-
-    def log_errors(self) -> int:
-        return sum(log_problems(a.log)[0] for a in self.agents)
 
 
 # -- the load: the scenario's arrivals at their real times ----------------------------------
@@ -290,15 +156,23 @@ def certain_over(spans: Sequence[tuple[int, int]], limit: int, window_us: int) -
 async def run_agents(s: Scenario, escrow: bool) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="geolimit-agents-") as folder:
         async with Cluster(s, Path(folder), escrow) as cluster:
+            cluster.watch()
             load = await drive(cluster, s)
             seen = await statuses(cluster.agents)
             log_errors = cluster.log_errors()
+        fresh = cluster.freshness
     # What each agent measured of its peers' clocks (shows that a skew scenario's offsets took hold).
     offsets = {r: {p: v.get("clock_offset") for p, v in st.get("peers", {}).items()} for r, st in seen.items()}
     accuracy = measure(load.log, s.limit, round(s.window * 1e6), load.start_us, load.start_us + round(s.duration * 1e6))
     extra = {"errors": load.errors, "late_p99_ms": round(load.late_p99_ms, 1),
              "late_max_ms": round(load.late_max_ms, 1), "agent_log_errors": log_errors, "clock_offsets": offsets,
-             "certain_over": certain_over(load.spans, s.limit, round(s.window * 1e6))}
+             "certain_over": certain_over(load.spans, s.limit, round(s.window * 1e6)),
+             # how old each region's view of its peers' counts got: past partition_after, the policy applies
+             "peers_stale_max_ms": {r: f.get("max_ms") for r, f in fresh.items()},
+             "peers_stale_over": sum(f.get("over", 0) for f in fresh.values()),
+             "peers_stale_samples": sum(f.get("samples", 0) for f in fresh.values()),
+             # checks the agents answered 503 over region.max_checks_in_progress (counted in "errors" too)
+             "shed": sum((st.get("checks") or {}).get("shed", 0) for st in seen.values())}
     return Outcome(s, AGENTS_ESCROW if escrow else AGENTS, accuracy, extra=extra)
 
 
@@ -383,6 +257,12 @@ def format_report(outcomes: Sequence[Outcome]) -> str:
                          f"without one; sends late by p99 {x['late_p99_ms']:.1f} ms, max {x['late_max_ms']:.1f} ms; "
                          f"{x['agent_log_errors']} ERROR lines in the agents' logs; units over for certain "
                          f"(each decision anywhere in its round trip): {x['certain_over']}")
+            if "peers_stale_samples" in x:
+                worst = max((v for v in x["peers_stale_max_ms"].values() if v is not None), default=0)
+                lines.append(f"  peers' counts as the regions saw them: up to {worst / 1000:.2f} s old; older than "
+                             f"partition_after (the partition policy applies) in {x['peers_stale_over']} of "
+                             f"{x['peers_stale_samples']} samples; {x['shed']} checks shed by the agents "
+                             f"(503, over max_checks_in_progress)")
             if o.scenario.skew:
                 seen = "; ".join(f"{r} sees {', '.join(f'{p} {v:+.2f} s' for p, v in peers.items() if v is not None)}"
                                  for r, peers in x["clock_offsets"].items())

@@ -2,6 +2,7 @@
 
 A few-second run (too short for any target) must print the table with the agents' figures
 and their same-run baselines, say INSUFFICIENT and never PASS; every arrival gets a decision;
+how old each region's view of its peers' counts got is reported;
 and the clock-skew scenario really runs the agents' clocks apart (each agent measures its
 peers' offsets: +-1 s and 2 s between the skewed pair).
 """
@@ -40,6 +41,10 @@ def test_a_short_run_through_real_agents_prints_its_table_and_insufficient(tmp_p
     otp = runs["burst-otp", "agents"]
     assert otp["errors"] == 0
     assert otp["accuracy"]["requests"] == 15  # 3x the limit of 5, fired at all 3 regions at once
+    # Each region's view of its peers' counts was sampled from the links' process (bench/_links.py).
+    assert otp["peers_stale_samples"] > 0
+    assert set(otp["peers_stale_max_ms"]) == {"r1", "r2", "r3"}
+    assert "peers' counts as the regions saw them: up to" in run.stdout
     assert runs["burst-otp", "exact"]["accuracy"]["admitted"] == 5
     assert {t["verdict"] for t in data["targets"]} <= {"INSUFFICIENT"}
 
