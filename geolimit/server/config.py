@@ -60,7 +60,7 @@ __all__ = ["MAX_REDIS_TIMEOUT", "MAX_WORKERS", "AgentConfig", "PeerConfig", "TLS
 _SECTIONS = {
     "region": {"name", "redis_url", "listen", "secret_file", "key_prefix", "shards", "on_error", "api_listen", "api_token_file",
                "redis_timeout", "workers", "rls_listen", "rls_config", "rls_fast_path", "rls_request_timeout",
-               "head_timeout", "max_connections"},
+               "rls_idle_timeout", "head_timeout", "max_connections"},
     "gossip": {"interval", "peers", "anti_entropy_interval", "max_message_bytes", "max_backoff", "timeout",
                "outbox_limit", "auth_window", "tls"},
     "log": LOG_KEYS,
@@ -131,6 +131,9 @@ class AgentConfig:
     rls_fast_path: bool = True  # serve RLS with geolimit/server/rls/h2c.py (False: grpcio's core)
     #: Seconds from an RLS request's HEADERS to the end of its stream (fast path); SIGHUP applies it.
     rls_request_timeout: float = 10.0
+    #: Seconds an RLS connection with no open stream may go without a frame before GOAWAY and close
+    #: (fast path; longer than Envoy's 1 h upstream idle_timeout, docs/design.md); SIGHUP applies it.
+    rls_idle_timeout: float = 3900.0
     #: Seconds a connection to the HTTP listeners has to send a request head (from its accept, or
     #: from a later request's first byte); SIGHUP applies it (geolimit/http/connections.py).
     head_timeout: float = 10.0
@@ -184,6 +187,8 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
             opts["rls_fast_path"] = require(region, "rls_fast_path", bool, src, "region.rls_fast_path")
         if "rls_request_timeout" in region:
             opts["rls_request_timeout"] = _rls_request_timeout(region["rls_request_timeout"], src)
+        if "rls_idle_timeout" in region:
+            opts["rls_idle_timeout"] = parse_seconds(region["rls_idle_timeout"], src, "region.rls_idle_timeout")
         rules += rls.rules
     config = AgentConfig(region=name, redis_url=redis_url, listen=listen, secret=secret, peers=peers, rules=rules,
                          path=path, rule_groups=groups, **opts)
@@ -261,7 +266,7 @@ def with_workers(config: AgentConfig, workers: object, where: str = "--workers")
     return replace(config, workers=count)
 
 
-_RLS_KEYS = {"rls_listen", "rls_config", "rls_fast_path", "rls_request_timeout"}
+_RLS_KEYS = {"rls_listen", "rls_config", "rls_fast_path", "rls_request_timeout", "rls_idle_timeout"}
 
 
 def _rls_request_timeout(value: object, src: str) -> float:

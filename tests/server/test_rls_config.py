@@ -203,6 +203,9 @@ def test_toml_keys_bare_port_on_loopback_and_no_rule_tables_needed(tmp_path: Pat
     assert loaded.rls_request_timeout == 10.0, "a request's stream must end within 10 s unless told otherwise"
     assert load_config(agent_toml(tmp_path, rls_listen="8081", rls_config="ratelimit.yaml",
                                   rls_request_timeout="2s")).rls_request_timeout == 2.0
+    assert loaded.rls_idle_timeout == 3900.0, "an idle connection outlives Envoy's 1 h idle_timeout"
+    assert load_config(agent_toml(tmp_path, rls_listen="8081", rls_config="ratelimit.yaml",
+                                  rls_idle_timeout="5m")).rls_idle_timeout == 300.0
     data = region_config("redis://127.0.0.1:6379/0")
     del data["rule"]
     data["region"] |= {"rls_listen": "8081", "rls_config": "ratelimit.yaml"}
@@ -225,6 +228,9 @@ def test_toml_keys_bare_port_on_loopback_and_no_rule_tables_needed(tmp_path: Pat
      "region.rls_request_timeout must be a positive number of seconds"),
     ({"rls_listen": "8081", "rls_config": "ratelimit.yaml", "rls_request_timeout": "10m"},
      "region.rls_request_timeout must be at most 300 seconds, got '10m'"),
+    ({"rls_idle_timeout": 60}, "region.rls_idle_timeout needs region.rls_listen and region.rls_config"),
+    ({"rls_listen": "8081", "rls_config": "ratelimit.yaml", "rls_idle_timeout": -1},
+     "region.rls_idle_timeout must be a positive number of seconds"),
     ({"rls_listen": "8081", "rls_config": "bad.yaml"}, "bad.yaml: descriptors[0].rate_limit.unit: 'fortnight'"),
     ({"rls_listen": "0", "rls_config": "ratelimit.yaml", "workers": 2, "listen": "127.0.0.1:7400"},
      "region.workers = 2 needs a fixed port in region.rls_listen"),

@@ -24,7 +24,10 @@ HEADERS (``[region] rls_request_timeout``) is answered ``DEADLINE_EXCEEDED`` and
 stream reset, its bytes released (:mod:`geolimit.server.rls.h2deadline`). At most
 ``max_connections`` connections are open (a :class:`~geolimit.http.connections.ListenerGuard`,
 as the HTTP listeners'): one more is closed at its accept (a connection that has sent its
-preface may idle for ever, as a gRPC client's does).
+preface may idle for ever, as a gRPC client's does, unless it idles past ``rls_idle_timeout``:
+a connection with no open stream that receives no frame, a PING included, for
+:data:`~geolimit.server.rls.h2deadline.IDLE_TIMEOUT` seconds gets GOAWAY(``NO_ERROR``) and
+is closed).
 ``grpc-timeout`` is ignored: the client cancels a late call itself (RST_STREAM).
 """
 
@@ -80,15 +83,19 @@ class FastServer:
 
     def __init__(self, method: str, handle: Callable[[FastCall], None], *, limits: Limits | None = None,
                  request_timeout: Callable[[], float] | None = None, timed_out: Callable[[int], None] | None = None,
-                 clock: Callable[[], float] | None = None, guard: ListenerGuard | None = None) -> None:
+                 clock: Callable[[], float] | None = None, guard: ListenerGuard | None = None,
+                 idle_timeout: Callable[[], float] | None = None, idle_closed: Callable[[], None] | None = None) -> None:
         """``request_timeout()``: each new stream's deadline (default :data:`REQUEST_TIMEOUT`);
         ``timed_out(n)``: ``n`` requests were reset past it; ``clock``: default :data:`CLOCK`;
-        ``guard``: the cap on open connections (none without it)."""
+        ``guard``: the cap on open connections (none without it); ``idle_timeout()``: how long a
+        connection without streams may go without a frame (default ``IDLE_TIMEOUT``);
+        ``idle_closed()``: one was closed for it."""
         self.guard = guard
         self._method = method.encode()
         self._handle = handle
         self.limits = limits or Limits(MAX_MESSAGE, MAX_HEADER_LIST, MAX_STREAMS, FRAME_TIMEOUT)
-        self.deadline = RequestDeadline(request_timeout or (lambda: REQUEST_TIMEOUT), clock or CLOCK, timed_out)
+        self.deadline = RequestDeadline(request_timeout or (lambda: REQUEST_TIMEOUT), clock or CLOCK, timed_out,
+                                        idle_timeout, idle_closed)
         self._server: asyncio.Server | None = None
         self.connections: set[H2Connection] = set()
         self._all_gone: asyncio.Event | None = None
@@ -137,6 +144,7 @@ class FastServer:
                 await asyncio.wait_for(self._all_gone.wait(), grace)
         for conn in list(self.connections):
             conn.close()
+        self.deadline.close()  # what its log holds back
         if self.guard is not None:
-            self.guard.close()  # what its log holds back
+            self.guard.close()
         await server.wait_closed()

@@ -78,6 +78,8 @@ class H2Connection(Timers, asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._next_due = math.inf
         self._due_timer: asyncio.TimerHandle | None = None
+        self._active_at = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------
 
@@ -97,6 +99,7 @@ class H2Connection(Timers, asyncio.Protocol):
             w.Settings.MAX_HEADER_LIST_SIZE: lim.max_header_list,
         }) + w.window_update(0, _CONN_WINDOW - w.DEFAULT_WINDOW))
         self._partial()
+        self._active()
 
     @property
     def _stream_window(self) -> int:
@@ -126,6 +129,7 @@ class H2Connection(Timers, asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        self._active()
         buf = self._buf
         buf += data
         try:

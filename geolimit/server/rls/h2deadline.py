@@ -7,6 +7,12 @@ connection. A request whose HEADERS arrived but whose stream has not ended
 every answer given before the client finished sending): its bytes are released
 and the connection serves on. Without it, a client could hold 256 small unfinished
 streams per connection until the connection closed, each under the byte budgets.
+
+A connection with no open stream that receives nothing (not even a PING) for
+:class:`RequestDeadline`'s ``idle()`` seconds (``[region] rls_idle_timeout``) gets
+GOAWAY(``NO_ERROR``) and is closed: an idle connection would otherwise hold its
+place under ``max_connections`` for ever. While a stream is open,
+``rls_request_timeout`` governs it instead.
 """
 
 from __future__ import annotations
@@ -16,15 +22,18 @@ import logging
 import math
 from collections.abc import Callable
 
+from geolimit.log_every import LogEvery
 from geolimit.server.rls.h2send import Answering, Limits, Stream
 from geolimit.server.rls.h2wire import Error
 
-__all__ = ["LOG_EVERY", "RequestDeadline", "Timers"]
+__all__ = ["IDLE_TIMEOUT", "LOG_EVERY", "RequestDeadline", "Timers"]
 
 log = logging.getLogger("geolimit.agent")
 
 #: Seconds between two log lines about requests past their deadline (the metric counts each).
 LOG_EVERY = 10.0
+#: Seconds a connection with no open stream may go without a frame (``[region] rls_idle_timeout``).
+IDLE_TIMEOUT = 3900.0
 _DEADLINE_EXCEEDED = 4  # the gRPC status of a request reset for taking too long to arrive
 
 
@@ -37,13 +46,30 @@ class RequestDeadline:
     """
 
     def __init__(self, seconds: Callable[[], float], clock: Callable[[], float],
-                 counted: Callable[[int], None] | None = None) -> None:
+                 counted: Callable[[int], None] | None = None, idle: Callable[[], float] | None = None,
+                 idle_counted: Callable[[], None] | None = None) -> None:
         self.seconds = seconds
+        self.idle = idle or (lambda: IDLE_TIMEOUT)  #: read each time a connection's idle timer is set
+        self._idle_counted = idle_counted
+        self.idle_closed = 0  # connections closed for idling, in all
+        self._idle_log = LogEvery(log, LOG_EVERY, level=logging.INFO)
         self.clock = clock
         self._counted = counted
         self.expired = 0  # requests reset, in all
         self._logged = -math.inf
         self._held = 0  # resets not logged since the last line
+
+    def idle_close(self, seconds: float, peer: object) -> None:
+        """A connection from ``peer`` was closed after ``seconds`` idle."""
+        self.idle_closed += 1
+        if self._idle_counted is not None:
+            self._idle_counted()
+        self._idle_log.warn("idle", "rate limit service", f"closed an idle HTTP/2 connection from {peer} "
+                            f"(no stream and no frame for {seconds:g} s)", "idle connection(s) closed")
+
+    def close(self) -> None:
+        """Write what the log holds back."""
+        self._idle_log.close()
 
     def reset(self, n: int, seconds: float, peer: object) -> None:
         """``n`` requests from ``peer`` were reset past their deadline of ``seconds``."""
@@ -69,6 +95,30 @@ class Timers(Answering):
     _timer: asyncio.TimerHandle | None
     _next_due: float  # the earliest deadline of an unfinished request (it may have ended since)
     _due_timer: asyncio.TimerHandle | None
+    _idle_timer: asyncio.TimerHandle | None
+
+    # -- an idle connection ----------------------------------------------------------------
+
+    def _active(self) -> None:
+        """Bytes arrived: the connection's idle period starts again (the timer reads it when it fires)."""
+        self._active_at = self._loop.time()
+        if self._idle_timer is None:
+            self._idle_timer = self._loop.call_later(self._deadline.idle(), self._check_idle)
+
+    def _check_idle(self) -> None:
+        self._idle_timer = None
+        if self.closed or self._draining:
+            return
+        seconds = self._deadline.idle()
+        now = self._loop.time()
+        if self._streams or self._orphans:  # rls_request_timeout governs an open stream; idle from its end
+            self._active_at = now
+        late = self._active_at + seconds - now
+        if late > 0:
+            self._idle_timer = self._loop.call_later(late, self._check_idle)
+            return
+        self._deadline.idle_close(seconds, self.transport.get_extra_info("peername") if self.transport else None)
+        self.drain()  # GOAWAY(NO_ERROR), then closed: no stream is open
 
     # -- an unfinished frame -------------------------------------------------------------
 
@@ -132,7 +182,7 @@ class Timers(Answering):
             self._due_timer = None
 
     def _stop_timers(self) -> None:
-        for timer in (self._timer, self._due_timer):
+        for timer in (self._timer, self._due_timer, self._idle_timer):
             if timer is not None:
                 timer.cancel()
-        self._timer = self._due_timer = None
+        self._timer = self._due_timer = self._idle_timer = None

@@ -51,6 +51,7 @@ class Answering:
     _peer_frame: int
     _buffered: int
     _draining: bool
+    _active_at: float  # loop time of the connection's last read, or of its last stream's end
     _last: int
     _out: list[bytes]
 
@@ -126,8 +127,10 @@ class Answering:
         stream.pending = stream.trailers = b""
         self._streams.pop(sid, None)
         self._blocked.pop(sid, None)
-        if self._draining and not self._streams:
-            self.close()
+        if not self._streams:
+            self._active_at = self._loop.time()  # idle from now
+            if self._draining:
+                self.close()
 
     def _write(self, data: bytes) -> None:
         if not self._out:

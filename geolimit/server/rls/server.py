@@ -90,6 +90,11 @@ class RlsServer:
             "region.rls_request_timeout after their HEADERS: answered DEADLINE_EXCEEDED and reset "
             "(the HTTP/2 fast path)", registry=registry,
         )
+        self.idle_closed = Counter(
+            "geolimit_rls_idle_connections_closed", "Rate limit service connections closed with GOAWAY(NO_ERROR) "
+            "after region.rls_idle_timeout with no open stream and no frame received (the HTTP/2 fast path)",
+            registry=registry,
+        )
 
     async def start(self, address: tuple[str, int], reuse_port: bool = False,
                     guard: ListenerGuard | None = None) -> tuple[str, int]:
@@ -104,7 +109,9 @@ class RlsServer:
         try:
             if self._agent.config.rls_fast_path:
                 server = FastServer(METHOD, self._received, timed_out=self.request_timeouts.inc,
-                                    request_timeout=lambda: self._agent.config.rls_request_timeout, guard=guard)
+                                    request_timeout=lambda: self._agent.config.rls_request_timeout, guard=guard,
+                                    idle_timeout=lambda: self._agent.config.rls_idle_timeout,
+                                    idle_closed=self.idle_closed.inc)
                 bound = await server.listen(host, port, reuse_port)
             else:
                 server = UnaryServer(METHOD, self._received, options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
