@@ -37,6 +37,7 @@ from geolimit.replication.peers import heartbeat_for
 from geolimit.replication.redis_io import ReplicationStore
 from geolimit.replication.replay import RedisReplayGuard
 from geolimit.replication.transport import HttpTransport, Transport
+from geolimit.server.admission import CheckGate
 from geolimit.server.api import add_api_routes, add_health_routes
 from geolimit.server.config import AgentConfig
 from geolimit.server.gossip_http import add_gossip_routes
@@ -84,6 +85,9 @@ class Agent:
         # Several workers: each /metrics scrape describes them all (geolimit/worker_metrics.py).
         self.metrics = AgentMetrics(lambda: self.engine, self._clock, worker=worker_index, workers=config.workers,
                                     redis_unreachable=lambda: not self._redis_ok and self._last_redis_error is not None)
+        # The bound on checks in progress: beyond it, 503 at once (geolimit/server/admission.py).
+        self.checks = CheckGate(lambda: self.config.max_checks_in_progress, self.metrics.checks_shed.inc)
+        self.metrics.checks_in_progress.set_function(lambda: self.checks.in_progress)
         self._runners: list[web.AppRunner] = []
         self._addresses: list[tuple[str, int]] = []
         self._loop_task: asyncio.Task[None] | None = None

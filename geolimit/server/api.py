@@ -281,7 +281,19 @@ class _ApiHandlers:
         return await self._decide(request, consume=False)
 
     async def _decide(self, request: web.Request, consume: bool) -> web.Response:
+        gate = self.agent.checks
+        if gate.full():  # overloaded: answered before its body is read (geolimit/server/admission.py)
+            gate.refuse()
+            return gate.overloaded()
         checks, batch = _checks(await read_json_body(request, self._bodies))
+        if not gate.enter(len(checks)):
+            return gate.overloaded()
+        try:
+            return await self._decide_checks(checks, batch, consume)
+        finally:
+            gate.leave(len(checks))
+
+    async def _decide_checks(self, checks: list[Check], batch: bool, consume: bool) -> web.Response:
         limiter = self.agent.require_limiter()
         checks = _resolved(limiter, self.agent.config.rule_groups, checks)
         started = time.perf_counter()

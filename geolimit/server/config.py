@@ -31,6 +31,7 @@ from typing import Any
 
 from geolimit.core.rule import Rule
 from geolimit.errors import ConfigError
+from geolimit.server.admission import DEFAULT_MAX_CHECKS
 from geolimit.server.rls.descriptors import RlsConfig
 from geolimit.toml_config import (
     LOG_KEYS,
@@ -60,7 +61,7 @@ __all__ = ["MAX_REDIS_TIMEOUT", "MAX_WORKERS", "AgentConfig", "PeerConfig", "TLS
 _SECTIONS = {
     "region": {"name", "redis_url", "listen", "secret_file", "key_prefix", "shards", "on_error", "api_listen", "api_token_file",
                "redis_timeout", "workers", "rls_listen", "rls_config", "rls_fast_path", "rls_request_timeout",
-               "rls_idle_timeout", "head_timeout", "max_connections"},
+               "rls_idle_timeout", "head_timeout", "max_connections", "max_checks_in_progress"},
     "gossip": {"interval", "peers", "anti_entropy_interval", "max_message_bytes", "max_backoff", "timeout",
                "outbox_limit", "auth_window", "tls"},
     "log": LOG_KEYS,
@@ -139,6 +140,9 @@ class AgentConfig:
     head_timeout: float = 10.0
     #: Open connections each HTTP listener accepts; None: a share of RLIMIT_NOFILE. SIGHUP applies it.
     max_connections: int | None = None
+    #: Checks (/v1/check, /v1/peek; a batch counts each) one agent process decides at once; one
+    #: more is answered 503 with Retry-After (geolimit/server/admission.py). SIGHUP applies it.
+    max_checks_in_progress: int = DEFAULT_MAX_CHECKS
     log_format: str = "text"
     log_level: str = "INFO"
     path: Path | None = None
@@ -246,6 +250,9 @@ def _region_options(region: Mapping[str, Any], src: str, base: Path, listen: tup
                               f"got {region['head_timeout']!r}")
     if "max_connections" in region:
         opts["max_connections"] = parse_positive_int(region["max_connections"], src, "region.max_connections")
+    if "max_checks_in_progress" in region:
+        opts["max_checks_in_progress"] = parse_positive_int(region["max_checks_in_progress"], src,
+                                                            "region.max_checks_in_progress")
     if "api_token_file" in region:
         token_file = resolve_path(base, require(region, "api_token_file", str, src, "region.api_token_file"))
         opts["api_token"] = read_token(token_file, src, "region.api_token_file")

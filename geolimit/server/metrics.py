@@ -121,6 +121,11 @@ class AgentMetrics:
             "geolimit_http_connections_dropped", "Connections an HTTP listener closed, by reason: over "
             "max_connections (connection_limit), no complete request head within head_timeout (head_timeout)",
             ["listener", "reason"], registry=self.registry)
+        self.checks_shed = Counter(
+            "geolimit_checks_shed", "Decision requests (/v1/check, /v1/peek) answered 503 at once because "
+            "region.max_checks_in_progress checks were in progress (the agent was overloaded)", registry=self.registry)
+        self.checks_in_progress = Gauge("geolimit_checks_in_progress", "Checks (/v1/check, /v1/peek) being decided",
+                                        registry=self.registry)
         self.connections_open = Gauge("geolimit_http_connections_open", "Open connections of an HTTP listener",
                                       ["listener"], registry=self.registry)
         self.registry.register(_EngineCollector(engine, clock, redis_unreachable))

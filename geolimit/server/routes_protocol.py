@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from geolimit.async_limiter import AsyncLimiter
     from geolimit.replication.auth import Signer, Verifier
     from geolimit.replication.gossip import GossipEngine
+    from geolimit.server.admission import CheckGate
     from geolimit.server.metrics import AgentMetrics
 
 __all__ = ["ApiAgent", "ApiSettings", "GossipAgent", "GossipSettings"]
@@ -37,6 +38,10 @@ class ApiAgent(Protocol):
 
     @property
     def metrics(self) -> AgentMetrics: ...
+
+    @property
+    def checks(self) -> CheckGate:
+        """The bound on decisions in progress (``region.max_checks_in_progress``)."""
 
     def require_limiter(self) -> AsyncLimiter:
         """The running limiter (a StorageError while the agent starts)."""

@@ -71,6 +71,8 @@ def agent_status(agent: Agent, now: float) -> dict[str, Any]:
         # Shards whose Redis (a Cluster node) failed in the last round: gossip goes on for the others.
         "shards_unreachable": [] if engine is None else sorted(engine.failed_shards),
         "failures": agent.background_failures(),
+        # Checks being decided, the bound (region.max_checks_in_progress), requests answered 503 over it.
+        "checks": {"in_progress": agent.checks.in_progress, "max": agent.checks.bound, "shed": agent.checks.shed},
         # Several workers: the figures above are those of the worker that answered (its shards'
         # outboxes); region_peers has the region's, over every worker (at most a second old).
         "worker": {"index": agent.worker_index, "workers": agent.config.workers, "shards": len(agent.owned),
