@@ -157,6 +157,7 @@ class AsyncLimiter(LimiterBase):
     async def aclose(self) -> None:
         """Wait for in-flight batches, then close the connections."""
         await self._batches.wait()
+        self.degraded_lines.close()  # what the log holds back
         await self._store.close()
 
     close = aclose

@@ -160,6 +160,7 @@ class Limiter(LimiterBase):
         return int(seconds) * 1_000_000 + int(micros)
 
     def close(self) -> None:
+        self.degraded_lines.close()  # what the log holds back
         self._store.close()
 
     def __enter__(self) -> Limiter:

@@ -17,6 +17,7 @@ from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout, encode_subject
 from geolimit.core.rule import Rule
 from geolimit.core.usage import Usage, summarize, summarize_escrow
 from geolimit.errors import ConfigError, RequestError, StorageError, UnknownRuleError
+from geolimit.log_every import LogEvery
 from geolimit.store.escrow_fields import ledger_of, state_of
 from geolimit.store.protocol import (
     MAX_COST,
@@ -105,7 +106,7 @@ class LimiterBase:
         self._escrow: EscrowPlacement | None = None
         self._builder = RequestBuilder(self._layout)
         self._check_due = 0.0
-        self._last_degraded_log = 0.0
+        self.degraded_lines = LogEvery(log)  # one line per 10 s, counting the calls held back
         self.set_rules(rules)
 
     @property
@@ -269,13 +270,7 @@ class LimiterBase:
     def _degrade(self, requests: Sequence[HitRequest], exc: StorageError) -> list[Decision]:
         if self._on_error == "raise":
             raise exc
-        now = time.monotonic()
-        if now - self._last_degraded_log > 10.0:
-            self._last_degraded_log = now
-            log.warning(
-                "geolimit: Redis unavailable, %s requests (on_error=%r): %s",
-                "allowing" if self._on_error == "allow" else "denying",
-                self._on_error,
-                exc,
-            )
+        doing = "allowing" if self._on_error == "allow" else "denying"
+        self.degraded_lines.warn("degraded", f"geolimit: Redis unavailable, {doing} requests "
+                                 f"(on_error={self._on_error!r})", str(exc), "call(s) degraded")
         return [degraded_decision(r.rules, self._on_error == "allow", str(exc)) for r in requests]

@@ -55,12 +55,13 @@ class LogEvery:
         self._timer_loop: asyncio.AbstractEventLoop | None = None
         self._timer_due = 0.0  # loop time
 
-    def warn(self, key: Hashable, subject: str, detail: str, what: str) -> bool:
-        """One event of ``key``; True if a line was written for it now."""
+    def warn(self, key: Hashable, subject: str, detail: str, what: str, n: int = 1) -> bool:
+        """One event of ``key`` (``n`` of them at once: a held-back batch counts ``n``); True if a
+        line was written for it now."""
         now = self.clock()
         entry = self._keys.get(key)
         if entry is not None and now - entry.last < self.every:
-            entry.held += 1
+            entry.held += n
             entry.subject, entry.detail, entry.what = subject, detail, what
             self._schedule(entry.last + self.every - now)
             return False
@@ -69,7 +70,7 @@ class LogEvery:
                 self._forget(now)
             self._keys[key] = _Key(now)
         elif entry.held:  # its period is over and the timer has not written the count yet: this one joins it
-            entry.held += 1
+            entry.held += n
             entry.subject, entry.detail, entry.what = subject, detail, what
             self._write_held(entry, now)
             return True

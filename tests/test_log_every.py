@@ -92,3 +92,16 @@ def test_the_keys_remembered_are_bounded(caplog: pytest.LogCaptureFixture) -> No
         lines.warn(source, f"peer {source}", "refused", "like it")
     assert len(lines._keys) <= 64
     assert len(messages(caplog)) == 10_000
+
+
+def test_a_batch_of_events_counts_as_many(caplog: pytest.LogCaptureFixture) -> None:
+    now = [10.0]
+    lines = LogEvery(logging.getLogger(LOGGER), clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    assert lines.warn("reset", "service", "reset 3 request(s)", "request(s) reset", 3)
+    now[0] += 1.0
+    assert not lines.warn("reset", "service", "reset 5 request(s)", "request(s) reset", 5)
+    now[0] += 9.5
+    assert lines.warn("reset", "service", "reset 2 request(s)", "request(s) reset", 2)
+    assert messages(caplog) == ["service: reset 3 request(s)",
+                                "service: 7 more request(s) reset in the last 10 s (latest: reset 2 request(s))"]

@@ -22,8 +22,9 @@ through a :class:`ListenerGuard` (``geolimit.http.listener.listen`` does it) has
   counted, and 2000 of them pinned an agent at its file descriptor limit).
 
 Each closed connection is counted (``dropped(reason)``: ``connection_limit`` or
-``head_timeout``) and the listener logs at most one line every :data:`LOG_EVERY`
-seconds, with the counts since its last line: never a line per connection.
+``head_timeout``) and the listener logs at most one line per reason every :data:`LOG_EVERY`
+seconds (:class:`~geolimit.log_every.LogEvery`), the next one counting those held back:
+never a line per connection.
 
 How it works, with aiohttp's public API only: a :class:`~aiohttp.web.BaseSite`
 (``geolimit.http.listener``) whose ``create_server`` gets a protocol factory wrapping aiohttp's
@@ -54,6 +55,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from geolimit.http import bad_requests
+from geolimit.log_every import LogEvery
 
 __all__ = ["HEAD_TIMEOUT", "LOG_EVERY", "ListenerGuard", "default_max_connections"]
 
@@ -108,8 +110,7 @@ class ListenerGuard:
         self.max_connections = max_connections or (lambda: cap)
         self.dropped = dropped
         self.open = 0  # connections now open (admitted)
-        self._held: dict[str, int] = {}  # closed since the last log line, by reason
-        self._log_timer: asyncio.TimerHandle | None = None
+        self.lines = LogEvery(log, LOG_EVERY)  # one line per reason every LOG_EVERY seconds, counting the rest
 
     def protocol_factory(self, server: web.Server, tls: ssl.SSLContext | None = None) -> Callable[[], asyncio.Protocol]:
         """What ``loop.create_server`` takes to serve ``server`` under this guard (and the proxy's
@@ -122,10 +123,7 @@ class ListenerGuard:
 
     def close(self) -> None:
         """Log what is held back and stop the log's timer (the listener stopped)."""
-        if self._log_timer is not None:
-            self._log_timer.cancel()
-            self._log_timer = None
-        self._log()
+        self.lines.close()
 
     # -- the connections' side ----------------------------------------------------------
 
@@ -145,29 +143,12 @@ class ListenerGuard:
 
     def _note(self, reason: str) -> None:
         self.dropped(reason)
-        self._held[reason] = self._held.get(reason, 0) + 1
-        if self._log_timer is None:  # no line within the last LOG_EVERY seconds
-            self._flush()
-
-    def _flush(self) -> None:
-        self._log_timer = None
-        if self._log():
-            self._log_timer = asyncio.get_running_loop().call_later(LOG_EVERY, self._flush)
-
-    def _log(self) -> bool:
-        if not self._held:
-            return False
-        held, self._held = self._held, {}
-        parts = []
-        if "connection_limit" in held:
-            parts.append(f"refused {held['connection_limit']} connection(s) over the limit of "
-                         f"{self.max_connections()} open")
-        if "head_timeout" in held:
-            parts.append(f"closed {held['head_timeout']} connection(s) that sent no complete request head "
-                         f"within {self.head_timeout():g} s")
-        log.warning("%s listener %s: %s (at most one such line every %g s)", self.label, self.where,
-                    "; ".join(parts), LOG_EVERY)
-        return True
+        if reason == "connection_limit":
+            detail, what = f"refused a connection over the limit of {self.max_connections()} open", "refused"
+        else:
+            detail = f"closed a connection that sent no complete request head within {self.head_timeout():g} s"
+            what = "closed"
+        self.lines.warn(reason, f"{self.label} listener {self.where}", detail, f"connection(s) {what} ({reason})")
 
 
 class _Eager:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -37,6 +36,7 @@ from geolimit.core.decision import Decision, RuleDecision, combine
 from geolimit.errors import GeolimitError, RequestError, StorageError
 from geolimit.http.headers import QuotaUnit, rate_limit_headers
 from geolimit.http.keys import CostSpec, KeySpec, Network, RequestInfo, Route, trusted_networks
+from geolimit.log_every import LogEvery
 
 __all__ = ["Decider", "Guard", "LimitSpec", "OneCall", "RoutePolicy", "Verdict"]
 
@@ -208,7 +208,8 @@ class Guard:
         self.decider = decider
         self.policies = tuple(policies)
         self.trusted: tuple[Network, ...] = trusted_networks(trusted_proxies)
-        self._last_error_log = 0.0
+        self.storage_lines = LogEvery(log)  # one line per 10 s of each kind, counting the others
+        self.attribution_lines = LogEvery(log, level=logging.ERROR)
         self.counters: dict[tuple[str, str], int] = {}  # (rule, outcome) -> count
         #: The policies one hit decides (id() -> plan): see :meth:`one_call`.
         self._one_call: dict[int, OneCall] = {}
@@ -373,12 +374,10 @@ class Guard:
         """Each limit's results; None (logged) when the decider's results cannot be told apart."""
         per = _attribute(group, decision.results)
         if per is None:
-            now = time.monotonic()
-            if now - self._last_error_log > 10.0:
-                self._last_error_log = now
-                log.error("rule(s) %s were decided as %s: cannot tell whose result is whose; they fail by "
-                          "their on_error", ", ".join(p.limit.rule for p in group),
-                          ", ".join(r.rule for r in decision.results))
+            self.attribution_lines.warn(
+                "attribution", f"rule(s) {', '.join(p.limit.rule for p in group)} were decided as "
+                f"{', '.join(r.rule for r in decision.results)}", "cannot tell whose result is whose; they fail by "
+                "their on_error", "request(s) failed so")
         return per
 
     async def _shadow(self, groups: list[list[_Planned]], verdict: Verdict, request: RequestInfo) -> Decision | None:
@@ -401,8 +400,6 @@ class Guard:
         return combine(results) if results else None
 
     def _storage_failed(self, limit: LimitSpec, exc: StorageError) -> None:
-        now = time.monotonic()
-        if now - self._last_error_log > 10.0:
-            self._last_error_log = now
-            log.warning("rate limit storage unavailable; rule %s fails %s: %s",
-                        limit.rule, "open" if limit.on_error == "allow" else "closed", exc)
+        verdict = "open" if limit.on_error == "allow" else "closed"
+        self.storage_lines.warn("storage", f"rate limit storage unavailable; rule {limit.rule} fails {verdict}",
+                                str(exc), "request(s) failed so")

@@ -10,7 +10,6 @@ values that are not UTF-8 are used as their raw bytes.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from geolimit.async_limiter import AsyncLimiter
@@ -18,6 +17,7 @@ from geolimit.core.decision import Decision
 from geolimit.errors import GeolimitError, RequestError, StorageError
 from geolimit.http.agent_client import AgentClient
 from geolimit.http.keys import bounded_subject
+from geolimit.log_every import LogEvery
 from geolimit.store.protocol import MAX_COST
 
 __all__ = ["ProxyDecider"]
@@ -30,7 +30,7 @@ class ProxyDecider:
 
     def __init__(self, inner: AsyncLimiter | AgentClient) -> None:
         self.inner = inner
-        self._last_log = 0.0
+        self.lines = LogEvery(log, level=logging.ERROR)  # one line per 10 s, counting the others
 
     async def hit(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
         """Decide ``rules`` (several: all-or-nothing) and consume."""
@@ -60,13 +60,12 @@ class ProxyDecider:
 
     def _misconfigured(self, rules: str | Sequence[str], exc: GeolimitError) -> StorageError:
         names = rules if isinstance(rules, str) else ", ".join(rules)
-        now = time.monotonic()
-        if now - self._last_log > 10.0:
-            self._last_log = now
-            log.error("cannot decide rule(s) %s (configuration problem): %s", names, exc)
+        self.lines.warn("misconfigured", f"cannot decide rule(s) {names} (configuration problem)", str(exc),
+                        "request(s) could not be decided")
         return StorageError(f"cannot decide rule(s) {names}: {exc}")
 
     async def close(self) -> None:
+        self.lines.close()  # what the log holds back
         if isinstance(self.inner, AsyncLimiter):
             await self.inner.aclose()
         else:

@@ -71,5 +71,5 @@ async def test_malformed_requests_to_a_proxy_without_admin_listener_get_400_and_
     assert len(records) == 1, [f"{r.levelname} {r.getMessage()}" for r in records[:3]]
     assert records[0].levelname == "WARNING"
     assert records[0].exc_info is None
-    assert records[0].getMessage().startswith("1 malformed request(s) answered 400 (the latest from 127.0.0.1: ")
+    assert records[0].getMessage().startswith("malformed request answered 400: from 127.0.0.1: ")
     assert not [seen for seen in upstream.seen if seen.target == "/x"]

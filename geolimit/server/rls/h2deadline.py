@@ -56,8 +56,7 @@ class RequestDeadline:
         self.clock = clock
         self._counted = counted
         self.expired = 0  # requests reset, in all
-        self._logged = -math.inf
-        self._held = 0  # resets not logged since the last line
+        self._reset_log = LogEvery(log, LOG_EVERY, clock=clock)
 
     def idle_close(self, seconds: float, peer: object) -> None:
         """A connection from ``peer`` was closed after ``seconds`` idle."""
@@ -68,7 +67,8 @@ class RequestDeadline:
                             f"(no stream and no frame for {seconds:g} s)", "idle connection(s) closed")
 
     def close(self) -> None:
-        """Write what the log holds back."""
+        """Write what the logs hold back."""
+        self._reset_log.close()
         self._idle_log.close()
 
     def reset(self, n: int, seconds: float, peer: object) -> None:
@@ -76,14 +76,8 @@ class RequestDeadline:
         self.expired += n
         if self._counted is not None:
             self._counted(n)
-        now = self.clock()
-        if now - self._logged < LOG_EVERY:
-            self._held += n
-            return
-        more = f" ({self._held} more in the last {LOG_EVERY:g} s)" if self._held else ""
-        self._logged, self._held = now, 0
-        log.warning("rate limit service: reset %d request(s) from %s not complete within %g s%s",
-                    n, peer, seconds, more)
+        self._reset_log.warn("reset", "rate limit service", f"reset {n} request(s) from {peer} not complete "
+                             f"within {seconds:g} s", "request(s) reset", n)
 
 
 class Timers(Answering):
