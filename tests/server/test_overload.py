@@ -13,6 +13,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,13 @@ async def test_checks_beyond_the_bound_get_503_with_retry_after_at_once(
     async with session.get(agent.api_url + "/metrics") as resp:
         assert "geolimit_checks_shed_total 1.0" in await resp.text()
     assert (await _post(session, agent.api_url, BODY))[0] == 200
+
+
+async def test_a_reload_applies_a_new_bound(start_agent: StartAgent, session: aiohttp.ClientSession) -> None:
+    agent = await start_agent(max_checks_in_progress=4)
+    await agent.reload(replace(agent.config, max_checks_in_progress=7))  # what SIGHUP does with the re-read file
+    async with session.get(agent.api_url + "/v1/status") as resp:
+        assert (await resp.json())["checks"]["max"] == 7
 
 
 def test_max_checks_in_progress_is_a_positive_integer(tmp_path: Path) -> None:
