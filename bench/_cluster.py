@@ -102,8 +102,7 @@ class Cluster:
         for name in s.names:
             self.redis[name] = await asyncio.to_thread(EmbeddedRedis().start)
         # In a process of their own: a load generator that falls behind must not delay gossip (bench/_links.py).
-        self.links = await asyncio.to_thread(
-            Links, [(a, b, ports[b]) for a in s.names for b in s.names if a != b], s.latency)
+        self.links = Links([(a, b, ports[b]) for a in s.names for b in s.names if a != b], s.latency)
         skew = dict(zip(s.names, s.skew, strict=True)) if s.skew else {}
         for name in s.names:
             peers = ", ".join(f'{{ name = "{b}", url = "{self.links.urls[name, b]}" }}' for b in s.names if b != name)

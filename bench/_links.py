@@ -32,6 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis.asyncio
+from _agents import die_with_parent
 
 from geolimit.core.keys import KeyLayout
 from geolimit.netsim import FaultyLink, Latency
@@ -44,13 +45,17 @@ class Links:
 
     def __init__(self, links: list[tuple[str, str, int]], latency: float) -> None:
         spec = json.dumps({"links": links, "latency": latency})
-        self.proc = subprocess.Popen([sys.executable, __file__, spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # Killed with this process's (main) thread, as the agents are: a bench killed mid-run leaves none.
+        self.proc = subprocess.Popen([sys.executable, __file__, spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     preexec_fn=die_with_parent)
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the links process did not start")
-        self.urls: dict[tuple[str, str], str] = {tuple(k.split("|")): v
-                                                 for k, v in json.loads(line).items()}
+        try:
+            self.urls: dict[tuple[str, str], str] = {tuple(k.split("|")): v
+                                                     for k, v in json.loads(self.proc.stdout.readline()).items()}
+        except ValueError:
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError("the links process did not start") from None
 
     def send(self, command: str) -> None:
         assert self.proc.stdin is not None
@@ -109,8 +114,19 @@ class _Watch:
 async def _serve(spec: dict[str, Any]) -> None:
     delay = Latency(spec["latency"])
     links: dict[tuple[str, str], FaultyLink] = {}
+    # The agents' ports were picked free and released, so the kernel may hand one to a link's
+    # listener: that agent could not bind it, and the link would dial itself. Such a link is
+    # started again (holding the bad one meanwhile, so that the port is not offered twice).
+    taken = {port for _, _, port in spec["links"]}
     for a, b, port in spec["links"]:
-        links[a, b] = await FaultyLink("127.0.0.1", port, up=delay, down=delay, name=f"{a}->{b}").start()
+        held: list[FaultyLink] = []
+        link = await FaultyLink("127.0.0.1", port, up=delay, down=delay, name=f"{a}->{b}").start()
+        while link.port in taken:
+            held.append(link)
+            link = await FaultyLink("127.0.0.1", port, up=delay, down=delay, name=f"{a}->{b}").start()
+        for bad in held:
+            await bad.stop()
+        links[a, b] = link
     print(json.dumps({f"{a}|{b}": link.url for (a, b), link in links.items()}), flush=True)
     loop = asyncio.get_running_loop()
     watch: _Watch | None = None
