@@ -18,7 +18,8 @@ to aiohttp): one over it is closed at its accept.
 
 Timeouts of the client side: a request head (and its small body) must arrive within
 :data:`HEAD_TIMEOUT` seconds of its first byte (else 408 and the connection is
-closed: a slow sender cannot hold a connection forever); an idle keep-alive
+closed: a slow sender cannot hold a connection forever), and a new connection's first
+byte within :data:`HEAD_TIMEOUT` of its accept (else it is closed); an idle keep-alive
 connection is closed after :data:`KEEPALIVE_TIMEOUT` seconds (75, as the aiohttp listeners).
 """
 
@@ -83,7 +84,7 @@ class FastProtocol(LazyDeadline, asyncio.Protocol):
         peer = self.transport.get_extra_info("peername")
         self.peer = str(peer[0]) if isinstance(peer, (list, tuple)) else None
         self.server.connections.add(self)
-        self._idle()
+        self._fresh()
 
     def data_received(self, data: bytes) -> None:
         self._buf = self._buf + data if self._buf else data
@@ -193,6 +194,12 @@ class FastProtocol(LazyDeadline, asyncio.Protocol):
             self.transport.abort()
 
     # -- timers and hand-off ------------------------------------------------------------------------
+
+    def _fresh(self) -> None:
+        # A new connection's first request must start within HEAD_TIMEOUT of its accept, as on
+        # the agent's listeners: one that sends nothing is closed then, without an answer.
+        self._head_timer = False
+        self._arm(HEAD_TIMEOUT)
 
     def _idle(self) -> None:
         self._head_timer = False

@@ -15,6 +15,7 @@ import pytest
 import redis
 import uvloop
 
+import geolimit.proxy.fast_server as fast_server
 import geolimit.proxy.server as proxy_server
 from tests.proxy.helpers import StartProxy, Upstream, proxy_config
 
@@ -113,3 +114,27 @@ async def _status(url: str) -> bytes:
     """The status line of a GET on a new connection (empty: closed at its accept)."""
     data, _ = await _until_closed(url, b"GET /x HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
     return data.split(b"\r\n", 1)[0]
+
+
+async def test_a_fast_path_connection_that_sends_nothing_is_closed_at_the_head_deadline(
+    upstream: Upstream, redis_url: str, redis_client: redis.Redis, start_proxy: StartProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It was held for the keep-alive timeout (75 s) from its accept, where the agent's listeners close
+    it at their head deadline; an answered connection still idles for the keep-alive timeout."""
+    monkeypatch.setattr(fast_server, "HEAD_TIMEOUT", 0.3)
+    fast = await start_proxy(config(upstream.url, redis_url, key_prefix="silent"))
+    assert fast._fast is not None
+    data, seconds = await _until_closed(fast.url, b"")
+    assert data == b""
+    assert 0.25 < seconds < 5
+    host, port = fast.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"GET /free HTTP/1.1\r\nHost: t\r\n\r\n")
+        status = await asyncio.wait_for(reader.readline(), 10)
+        assert status.startswith(b"HTTP/1.1 200 "), status
+        with pytest.raises(asyncio.TimeoutError):  # kept alive well past the head deadline
+            await asyncio.wait_for(reader.read(), 1.0)
+    finally:
+        writer.close()
