@@ -137,6 +137,12 @@ class RlsServer:
     def _received(self, call: Call) -> None:
         """A ShouldRateLimit call (in the event loop): answered now, or when its decisions are in."""
         started = time.perf_counter()
+        gate = self._agent.checks  # the bound of /v1/check too: one event loop decides both
+        if gate.full():  # overloaded: UNAVAILABLE at once, so Envoy's failure_mode_deny decides
+            gate.refuse()
+            call.fail(StatusCode.UNAVAILABLE, f"overloaded: the agent has {gate.in_progress} checks in progress "
+                                              f"(region.max_checks_in_progress {gate.bound})")
+            return
         try:
             try:
                 request = rls_pb2.RateLimitRequest.FromString(call.request)
@@ -151,10 +157,12 @@ class RlsServer:
         if decisions is None:
             self._answer(call, name, answer(tx, []), started)
         else:
+            gate.enter(1)  # a call counts one check, whatever its descriptors (not full: checked above)
             decisions.add_done_callback(lambda done: self._decided(call, name, tx, done, on_error, started))
 
     def _decided(self, call: Call, name: str, tx: Transaction, done: asyncio.Future[list[Decision]],
                  on_error: str, started: float) -> None:
+        self._agent.checks.leave(1)
         try:
             try:
                 result = answer(tx, done.result())
