@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,7 +180,21 @@ class _Local:
         parts, each with one call in flight: Redis works on one part while we
         read the reply of another.
         """
-        jobs: list[Awaitable[None]] = []
+        jobs: list[Coroutine[Any, Any, None]] = []
+        try:
+            await self._plan_scans(plan, mode, bitmap, on_entry, on_big, progress, after, jobs)
+        except BaseException:
+            for job in jobs:  # never started: closed, or Python warns each was never awaited
+                job.close()
+            raise
+        await _all(jobs)
+
+    async def _plan_scans(
+        self, plan: _Plan, mode: bytes, bitmap: bytes | None, on_entry: Callable[[list[Any]], None],
+        on_big: Callable[[int, bytes, int, int, int], None], progress: _Progress,
+        after: Callable[[], Awaitable[None]] | None, jobs: list[Coroutine[Any, Any, None]],
+    ) -> None:
+        """Append to ``jobs`` the scans of :meth:`scan`, node by node (reading each node's registries)."""
         for rep, shards in await self._groups():
             codes = await self._codes(shards)
             # The registries, as the usual one and the shards whose registry differs.
@@ -201,7 +215,6 @@ class _Local:
             for part in range(parts):
                 page = self._pager(_script("ae_scan"), [*args, b"%d" % part, b"%d" % parts])
                 jobs.append(self._stream(plan, page, pacer, part, parts, codes, on_entry, on_big, progress, after))
-        await _all(jobs)
 
     async def _stream(
         self,
