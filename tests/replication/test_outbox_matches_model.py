@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -329,7 +330,8 @@ class Sender:
 
 
 @pytest.fixture
-async def sender(redis_url: str) -> AsyncIterator[Sender]:
+async def sender(redis_url: str, redis_client: redis.Redis) -> AsyncIterator[Sender]:
+    """Region r's limiter on the flushed shared Redis (another test's region there would be refused)."""
     clock = ManualClock(T0)
     lim = AsyncLimiter.from_url(redis_url, region="r", rules=RULES, clock=clock, shards=SHARDS)
     yield Sender(lim, clock)

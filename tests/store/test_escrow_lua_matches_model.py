@@ -37,7 +37,8 @@ ops = st.lists(
 
 
 @pytest.fixture
-def setup(redis_url: str) -> Iterator[tuple[Limiter, redis.Redis, ManualClock]]:
+def setup(redis_url: str, redis_client: redis.Redis) -> Iterator[tuple[Limiter, redis.Redis, ManualClock]]:
+    """Region a's limiter on the flushed shared Redis (another test's region there would be refused)."""
     clock = ManualClock(1_700_000_000.0)
     limiter = Limiter.from_url(redis_url, region="a", rules=[RULE], clock=clock)
     client = redis.Redis.from_url(redis_url)

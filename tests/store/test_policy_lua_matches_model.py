@@ -12,6 +12,7 @@ import secrets
 from collections.abc import AsyncIterator
 
 import pytest
+import redis
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -50,7 +51,8 @@ ops = st.lists(
 
 
 @pytest.fixture
-async def setup(redis_url: str) -> AsyncIterator[tuple[AsyncLimiter, ReplicationStore, ManualClock]]:
+async def setup(redis_url: str, redis_client: redis.Redis) -> AsyncIterator[tuple[AsyncLimiter, ReplicationStore, ManualClock]]:
+    """Region north on the flushed shared Redis (another test's region there would be refused)."""
     clock = ManualClock(1_700_000_000.0)
     limiter = AsyncLimiter.from_url(redis_url, region="north", rules=RULES, clock=clock)
     store = ReplicationStore(limiter.store, limiter.layout, "north", limiter.rules, b"n0", now_us=clock.now_us,
@@ -109,7 +111,8 @@ ROOM = Rule("room", 100, 10, 1, mode="approximate")  # partition_after 1 s
 
 
 @pytest.mark.parametrize(("rise_ago_us", "own_old"), [(900_000, 30), (1_100_000, 30), (900_000, 34), (400_000, 0)])
-async def test_contested_room_is_split_alike(redis_url: str, rise_ago_us: int, own_old: int) -> None:
+async def test_contested_room_is_split_alike(redis_url: str, redis_client: redis.Redis, rise_ago_us: int,
+                                             own_old: int) -> None:
     """The split of contested room (hypothesis above seldom fills a window that far):
     north, east and west admitted ``own_old``, 30 and 30 in one bucket; east and west rose
     by 5 each since; 10.5 s later half that bucket has left the window. North then hits
