@@ -100,16 +100,20 @@ def parse_listen(value: object, where: str) -> tuple[str, int]:
     return host, port
 
 
-def parse_seconds(value: object, src: str, where: str) -> float:
-    """A positive, finite number of seconds, or a duration string such as ``"10s"``."""
+def parse_seconds(value: object, src: str, where: str, at_most: float | None = None) -> float:
+    """A positive, finite number of seconds, or a duration string such as ``"10s"`` (``at_most``: its bound)."""
     if isinstance(value, str):
         try:
-            return parse_duration(value)
+            seconds = parse_duration(value)
         except ConfigError as exc:
             raise ConfigError(f"{src}: {where}: {exc}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
         raise ConfigError(f"{src}: {where} must be a positive number of seconds (or a duration such as '10s'), got {value!r}")
-    return float(value)
+    else:
+        seconds = float(value)
+    if at_most is not None and seconds > at_most:
+        raise ConfigError(f"{src}: {where} must be at most {at_most:g} seconds, got {value!r}")
+    return seconds
 
 
 def parse_positive_int(value: object, src: str, where: str) -> int:
