@@ -9,14 +9,13 @@ raw sockets.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterator
 
 import pytest
 
-from geolimit.http.bad_requests import MalformedRequests
 from tests.proxy.helpers import StartProxy, Upstream, proxy_config
+from tests.support.malformed import fresh_malformed_filter, send_raw
 
 MALFORMED = [
     b"GET /x HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n",
@@ -27,27 +26,8 @@ MALFORMED = [
 
 @pytest.fixture
 def no_filter() -> Iterator[None]:
-    """No summary filter left on aiohttp's logger by an earlier test in this process (the proxy must add its own)."""
-    logger = logging.getLogger("aiohttp.server")
-
-    def drop() -> None:
-        for f in [f for f in logger.filters if isinstance(f, MalformedRequests)]:
-            logger.removeFilter(f)
-
-    drop()
-    yield
-    drop()
-
-
-async def send_raw(url: str, data: bytes) -> bytes:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    try:
-        writer.write(data)
-        await writer.drain()
-        return await asyncio.wait_for(reader.read(65536), 10)
-    finally:
-        writer.close()
+    with fresh_malformed_filter():
+        yield
 
 
 @pytest.mark.parametrize("fast_path", [True, False], ids=["fast_path", "aiohttp_only"])

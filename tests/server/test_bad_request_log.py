@@ -6,7 +6,6 @@ Before: 800 malformed requests to an agent wrote 6,800 lines (a traceback of abo
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterator
 
@@ -14,6 +13,7 @@ import pytest
 
 from geolimit.http.bad_requests import MalformedRequests
 from tests.server.conftest import StartAgent
+from tests.support.malformed import fresh_malformed_filter, send_raw
 
 MALFORMED = [
     b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n",
@@ -24,38 +24,19 @@ MALFORMED = [
 
 @pytest.fixture
 def fresh_filter() -> Iterator[None]:
-    """No summary filter carried over from another test in this process (its 10 s would hold our line back)."""
-    logger = logging.getLogger("aiohttp.server")
-
-    def drop() -> None:
-        for f in [f for f in logger.filters if isinstance(f, MalformedRequests)]:
-            logger.removeFilter(f)
-
-    drop()
-    yield
-    drop()
-
-
-async def send_raw(port: int, data: bytes) -> bytes:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(data)
-        await writer.drain()
-        return await asyncio.wait_for(reader.read(65536), 10)
-    finally:
-        writer.close()
+    with fresh_malformed_filter():
+        yield
 
 
 async def test_malformed_requests_get_400_and_one_log_line(
     start_agent: StartAgent, fresh_filter: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     agent = await start_agent(run=False)
-    port = int(agent.url.rpartition(":")[2])
     caplog.set_level(logging.DEBUG, logger="aiohttp.server")
     for i in range(60):
-        answer = await send_raw(port, MALFORMED[i % len(MALFORMED)])
+        answer = await send_raw(agent.url, MALFORMED[i % len(MALFORMED)])
         assert answer.split(b" ", 2)[1] == b"400", answer[:100]
-    ok = await send_raw(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    ok = await send_raw(agent.url, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert ok.startswith(b"HTTP/1.1 200 "), ok[:100]
     records = [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= logging.WARNING]
     assert len(records) == 1, [r.getMessage() for r in records]
