@@ -12,13 +12,13 @@ import textwrap
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import grpc
-import http_sfv
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from http_sfv.list import List as SfvList
 
 from geolimit.errors import GeolimitError
 from geolimit.server.agent import Agent
@@ -91,9 +91,13 @@ def request(domain: str, *descriptors: Entries | tuple[Entries, int], hits: int 
     """A RateLimitRequest; a descriptor given as ``(entries, n)`` carries its own hits_addend n."""
     req = rls_pb2.RateLimitRequest(domain=domain, hits_addend=hits)
     for item in descriptors:
-        entries, own = item if len(item) == 2 and isinstance(item[1], int) else (item, None)  # type: ignore[misc]
+        own: int | None
+        if len(item) == 2 and isinstance(item[1], int):
+            entries, own = cast("tuple[Entries, int]", item)
+        else:
+            entries, own = cast(Entries, item), None
         d = req.descriptors.add()
-        for key, value in entries:  # type: ignore[misc]
+        for key, value in entries:
             d.entries.add(key=key, value=value)
         if own is not None:
             d.hits_addend.value = own
@@ -236,7 +240,7 @@ async def test_headers_are_ietf_structured_fields_with_retry_after_when_over(cli
     ip = [("remote_address", "10.3.0.1")]
     r = await client.ask("edge", glob, ip)
     got = headers(r)
-    policy, current = http_sfv.List(), http_sfv.List()
+    policy, current = SfvList(), SfvList()
     policy.parse(got["RateLimit-Policy"].encode())
     current.parse(got["RateLimit"].encode())
     assert [(i.value, i.params["q"], i.params["w"]) for i in policy] == [
@@ -248,7 +252,7 @@ async def test_headers_are_ietf_structured_fields_with_retry_after_when_over(cli
         await client.ask("edge", glob)
     over = headers(await client.ask("edge", glob, ip))
     assert 1 <= int(over["Retry-After"]) <= 66
-    current = http_sfv.List()
+    current = SfvList()
     current.parse(over["RateLimit"].encode())
     assert current[0].params["r"] == 0
     assert current[0].params["t"] <= int(over["Retry-After"])
