@@ -25,7 +25,8 @@ from geolimit.replication.antientropy import (
 )
 from geolimit.replication.antientropy import local as ae_local
 from geolimit.replication.antientropy.common import _Plan, leaves_per_shard
-from geolimit.replication.antientropy.local import _Local, _Progress
+from geolimit.replication.antientropy.local import _Local
+from geolimit.replication.antientropy.scan import _Progress
 from geolimit.store.connect import open_async_store
 from geolimit.store.embedded import EmbeddedRedis
 from tests.replication.antientropy_support import (

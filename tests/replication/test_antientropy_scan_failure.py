@@ -14,7 +14,8 @@ import pytest
 
 from geolimit.errors import StorageError
 from geolimit.replication.antientropy.common import _Plan
-from geolimit.replication.antientropy.local import _Local, _Progress
+from geolimit.replication.antientropy.local import _Local
+from geolimit.replication.antientropy.scan import _Progress
 from tests.replication.antientropy_support import NOW_US, RULES, Region, regions, servers
 
 __all__ = ["regions", "servers"]  # fixtures

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from geolimit.replication.antientropy.common import _Digests, _Plan
-from geolimit.replication.antientropy.local import _Listing, _Progress
+from geolimit.replication.antientropy.local import _Listing
+from geolimit.replication.antientropy.scan import _Progress
 
 
 def _consume(task: asyncio.Task[Any]) -> None:

@@ -48,8 +48,9 @@ from geolimit.replication.antientropy.common import (
     tree_levels,
 )
 from geolimit.replication.antientropy.exchange import _Exchange
-from geolimit.replication.antientropy.local import _Listing, _Local, _Progress
+from geolimit.replication.antientropy.local import _Listing, _Local
 from geolimit.replication.antientropy.responder import _Responder
+from geolimit.replication.antientropy.scan import _Progress
 from geolimit.store.async_store import AsyncStore
 
 
