@@ -12,17 +12,13 @@ is logged with its traceback, counted (``geolimit_background_task_failures``,
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from geolimit.aio import cancel_and_wait
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.core.clock import Clock, micros_source
 from geolimit.errors import ConfigError, GeolimitError, StorageError
@@ -31,17 +27,17 @@ from geolimit.http.listener import KEEPALIVE_TIMEOUT, listen
 from geolimit.replication.auth import Signer, Verifier
 from geolimit.replication.escrow import EscrowReplicator
 from geolimit.replication.escrow_http import EscrowHttpTransport, add_escrow_routes
-from geolimit.replication.escrow_io import EscrowStore
-from geolimit.replication.gossip import EngineSettings, GossipEngine
-from geolimit.replication.peers import heartbeat_for
-from geolimit.replication.redis_io import ReplicationStore
+from geolimit.replication.gossip import GossipEngine
 from geolimit.replication.replay import RedisReplayGuard
 from geolimit.replication.transport import HttpTransport, Transport
 from geolimit.server.admission import CheckGate
 from geolimit.server.api import add_api_routes, add_health_routes
 from geolimit.server.config import AgentConfig
+from geolimit.server.config_reload import applied_on_reload, needs_restart, rule_changes
 from geolimit.server.gossip_http import add_gossip_routes
 from geolimit.server.metrics import AgentMetrics
+from geolimit.server.replicators import escrow_replicator, gossip_engine, gossip_transport
+from geolimit.server.round_loop import RoundLoop
 from geolimit.server.status import agent_status
 from geolimit.server.workers import WorkerSigner, owned_shards
 
@@ -90,10 +86,7 @@ class Agent:
         self.metrics.checks_in_progress.set_function(lambda: self.checks.in_progress)
         self._runners: list[web.AppRunner] = []
         self._addresses: list[tuple[str, int]] = []
-        self._loop_task: asyncio.Task[None] | None = None
-        self._failure: str | None = None  # the last failed round (reported, retried)
-        self._round_failures = 0
-        self._loop_crashed: str | None = None  # only a BaseException escapes the loop
+        self._rounds = RoundLoop(lambda: self.config, lambda: self._round())  # the gossip loop (round_loop.py)
         self._started = self._listening = False
         self.rls: RlsServer | None = None  # the Envoy rate limit service, when rls_listen is set
         self._rls_address: tuple[str, int] | None = None
@@ -120,27 +113,15 @@ class Agent:
             await self._close()
             raise
         self.verifier.guard = RedisReplayGuard(self.limiter.store, cfg.key_prefix, cfg.region, cfg.auth_window)
-        store = ReplicationStore(
-            self.limiter.store, self.limiter.layout, cfg.region, self.limiter.rules,
-            nonce=secrets.token_hex(3).encode(),
-            now_us=micros_source(self._decision_clock) or (lambda: None),
-            peers=[p.name for p in cfg.peers], owned=self.owned,
-        )
         if self._transport is None:
-            ssl_ctx = cfg.tls.client_context() if cfg.tls else None
-            self._transport = HttpTransport(
-                {p.name: p.url for p in cfg.peers}, self.signer, self.verifier, cfg.timeout, ssl_ctx,
-                max_response_bytes=4 * cfg.max_message_bytes,
-            )
-        settings = EngineSettings(
-            interval=cfg.interval, anti_entropy_interval=cfg.anti_entropy_interval,
-            max_backoff=cfg.max_backoff or 2 * cfg.interval,
-            heartbeat=heartbeat_for(cfg.interval, cfg.rules), lease_ttl=max(15.0, 20 * cfg.interval),
-            max_cells_per_message=max(1000, min(10_000, cfg.max_message_bytes // 40)), send_timeout=cfg.timeout,
+            self._transport = gossip_transport(cfg, self.signer, self.verifier)
+        self.engine = gossip_engine(
+            cfg, self.limiter, self._transport, owned=self.owned, decision_clock=self._decision_clock,
+            clock=self._clock,
             anti_entropy=self.worker_index == 0,  # one initiator per region; every worker serves exchanges
         )
-        self.engine = GossipEngine(cfg.region, [p.name for p in cfg.peers], store, self._transport, settings, self._clock)
-        self.escrow = self._escrow_replicator(cfg)
+        self.escrow = escrow_replicator(cfg, self.limiter, self.signer, self.verifier, owned=self.owned,
+                                        decision_clock=self._decision_clock, clock=self._clock)
         gossip_app = web.Application(client_max_size=cfg.max_message_bytes + 1)
         add_gossip_routes(gossip_app, self)
         add_escrow_routes(gossip_app, self)
@@ -181,21 +162,6 @@ class Agent:
                  ", ".join(p.name for p in cfg.peers) or "none",
                  f" as worker {self.worker_index} of {cfg.workers}" if cfg.workers > 1 else "")
 
-    def _escrow_replicator(self, cfg: AgentConfig) -> EscrowReplicator:
-        limiter = self.require_limiter()
-        transport = EscrowHttpTransport(
-            {p.name: p.url for p in cfg.peers}, self.signer, self.verifier, cfg.timeout,
-            cfg.tls.client_context() if cfg.tls else None, max_response_bytes=4 * cfg.max_message_bytes,
-        )
-        return EscrowReplicator(
-            cfg.region, [p.name for p in cfg.peers], EscrowStore(limiter.store, limiter.layout, cfg.region,
-                                                                 secrets.token_hex(3).encode(),
-                                                                 clock_tolerance=cfg.auth_window),
-            limiter.rules, transport, owned=self.owned, interval=cfg.interval, timeout=cfg.timeout,
-            pull_interval=cfg.anti_entropy_interval, now_us=micros_source(self._decision_clock) or (lambda: None),
-            clock=self._clock,
-        )
-
     @property
     def max_message_bytes(self) -> int:
         return self.config.max_message_bytes
@@ -217,8 +183,7 @@ class Agent:
         if self._started:
             return
         self._started = True
-        self._loop_task = asyncio.ensure_future(self._run_loop())
-        self._loop_task.add_done_callback(self._loop_done)
+        self._rounds.start()
         self.metrics.start()
 
     async def stop(self, flush_timeout: float = 2.0) -> bool:
@@ -232,7 +197,7 @@ class Agent:
         for runner in self._runners:
             for site in list(runner.sites):
                 await site.stop()
-        await self._cancel_loop()
+        await self._rounds.cancel()
         flushed = True
         if self.engine is not None and self._listening:
             try:
@@ -245,13 +210,12 @@ class Agent:
 
     async def abort(self) -> None:
         """Drop everything without flushing, as a crash would."""
-        await self._cancel_loop()
+        await self._rounds.cancel()
         await self._close()
 
     async def wait(self) -> None:
         """Until the gossip loop ends; raises if it crashed."""
-        if self._loop_task is not None:
-            await asyncio.shield(self._loop_task)
+        await self._rounds.wait()
 
     async def __aenter__(self) -> Agent:
         await self.start()
@@ -259,11 +223,6 @@ class Agent:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
-
-    async def _cancel_loop(self) -> None:
-        task, self._loop_task = self._loop_task, None
-        if task is not None and not task.done():
-            await cancel_and_wait(task)
 
     async def _close(self) -> None:
         await self.metrics.stop()
@@ -318,32 +277,6 @@ class Agent:
             self._redis_ok = True
         self.metrics.round_seconds.observe(time.perf_counter() - started)
 
-    async def _run_loop(self) -> None:
-        interval = self.config.interval
-        failures = 0
-        while True:
-            began = time.monotonic()
-            try:
-                await self._round()
-            except Exception as exc:  # a bug or an unexpected reply: report, back off, go on
-                failures += 1
-                self._round_failures += 1
-                self._failure = f"{type(exc).__name__}: {exc}"[:300]
-                log.error("agent %s: gossip round failed (%d in a row); retrying", self.config.region,
-                          failures, exc_info=exc)
-                await asyncio.sleep(min(30.0, interval * 2 ** min(failures, 10)))
-                continue
-            failures = 0
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - began)))
-
-    def _loop_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None:
-            self._loop_crashed = f"{type(exc).__name__}: {exc}"
-            log.error("agent %s: gossip loop crashed", self.config.region, exc_info=exc)
-
     async def reload(self, config: AgentConfig) -> str:
         """Apply a re-read configuration's rules (limits, policies, new and removed rules).
 
@@ -361,26 +294,12 @@ class Agent:
         self.engine.set_rules(limiter.rules)
         if self.escrow is not None:
             self.escrow.set_rules(limiter.rules)
-        restart = [
-            name for name, a, b in (
-                ("listen", old.listen, config.listen), ("api_listen", old.api_listen, config.api_listen),
-                ("peers", old.peers, config.peers), ("secret", old.secret, config.secret),
-                ("redis_url", old.redis_url, config.redis_url), ("gossip interval", old.interval, config.interval),
-                ("rls_listen", old.rls_listen, config.rls_listen),
-                ("rls_fast_path", old.rls_fast_path, config.rls_fast_path),
-            ) if a != b
-        ]
+        restart = needs_restart(old, config)
         if restart:
             log.warning("agent %s: changes to %s need a restart; they were not applied", old.region, ", ".join(restart))
-        before = {r.name: r for r in old.rules}
-        after = {r.name: r for r in config.rules}
-        summary = [f"+{n}" for n in after if n not in before] + [f"-{n}" for n in before if n not in after]
-        summary += [f"~{n}" for n in after if n in before and after[n] != before[n]]
-        self.config = replace(config, listen=old.listen, api_listen=old.api_listen, peers=old.peers,
-                              secret=old.secret, redis_url=old.redis_url, interval=old.interval,
-                              workers=old.workers, rls_listen=old.rls_listen,
-                              rls_fast_path=old.rls_fast_path)
-        return " ".join(summary)
+        summary = rule_changes(old, config)
+        self.config = applied_on_reload(old, config)
+        return summary
 
     # -- introspection --------------------------------------------------------
 
@@ -418,13 +337,13 @@ class Agent:
 
     def failure(self) -> str | None:
         """A fatal failure (the gossip loop itself died), or None."""
-        return self._loop_crashed
+        return self._rounds.crashed
 
     def background_failures(self) -> dict[str, Any]:
         """Failed rounds and tasks so far (each was retried) and the last error."""
         tasks = self.engine.task_failures if self.engine is not None else 0
         last = self.engine.last_task_error if self.engine is not None else None
-        return {"rounds": self._round_failures, "tasks": tasks, "last_round_error": self._failure,
+        return {"rounds": self._rounds.failures, "tasks": tasks, "last_round_error": self._rounds.last_failure,
                 "last_task_error": last}
 
     def readiness(self) -> tuple[bool, list[str]]:
