@@ -6,7 +6,6 @@ import asyncio
 import hashlib
 import signal
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +24,12 @@ from tests.proxy.helpers import (
     rss_bytes,
 )
 from tests.server.helpers import cli
+from tests.support.cli_fixtures import running
 from tests.support.regions import eventually
 
+__all__ = ["running"]  # fixtures
+
 MIB = 1024 * 1024
-
-
-@pytest.fixture
-async def running() -> AsyncIterator[list[ProxyProcess]]:
-    procs: list[ProxyProcess] = []
-    try:
-        yield procs
-    finally:
-        for proc in procs:
-            await proc.kill()
 
 
 def write_config(path: Path, data: dict[str, Any]) -> Path:

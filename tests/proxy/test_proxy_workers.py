@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,31 +21,17 @@ import redis
 
 from tests.proxy.helpers import ProxyProcess, Upstream, dump_toml, proxy_config
 from tests.server.helpers import cli
-from tests.support.cli_process import any_worker_session, stop_all
+from tests.support.cli_fixtures import http, supervisors
 from tests.support.cli_usage import run_cli
 from tests.support.regions import eventually
+
+__all__ = ["http", "supervisors"]  # fixtures
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture
-async def running() -> AsyncIterator[list[ProxyProcess]]:
-    procs: list[ProxyProcess] = []
-    try:
-        yield procs
-    finally:
-        await stop_all(procs)
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    """A new connection per request, so requests land on any worker."""
-    async with any_worker_session() as s:
-        yield s
 
 
 def config(upstream: Upstream, redis_url: str, **proxy: Any) -> dict[str, Any]:
@@ -75,13 +60,13 @@ def total(text: str, sample: str) -> float:
 
 async def test_two_proxy_workers_share_the_port_and_one_scrape_counts_both(
     tmp_path: Path, upstream: Upstream, redis_url: str, redis_client: redis.Redis,
-    running: list[ProxyProcess], http: aiohttp.ClientSession,
+    supervisors: list[ProxyProcess], http: aiohttp.ClientSession,
 ) -> None:
     data = config(upstream, redis_url)
     path = tmp_path / "proxy.toml"
     path.write_text(dump_toml(data))
     proc = await ProxyProcess.start(path, "--workers", "2")
-    running.append(proc)
+    supervisors.append(proc)
     directory = (await proc.wait_for_log(r"proxy: started 2 workers \(pids (.*); shared metrics in (\S+)\)")).group(2)
     pids = [int(p) for p in re.findall(r"\d+", (await proc.wait_for_log(r"started 2 workers \(pids ([\d, ]+);")).group(1))]
     for index in (0, 1):

@@ -13,12 +13,13 @@ from geolimit import Rule
 from geolimit.server.agent import Agent
 from geolimit.server.config import AgentConfig, PeerConfig
 from geolimit.store.embedded import EmbeddedRedis
-from tests.server.helpers import AgentProcess
-from tests.support.cli_process import any_worker_session, stop_all
+from tests.support.cli_fixtures import http, running, supervisors
 from tests.support.regions import dead_url, eventually
 
 RULES = (Rule("api", 5, 10, 1), Rule("tiny", 2, 10, 1), Rule("hourly", 100, 3600, 360))
 StartAgent = Callable[..., Awaitable[Agent]]
+
+__all__ = ["RULES", "StartAgent", "http", "running", "supervisors"]  # the last three: fixtures shared with tests/proxy
 
 
 @pytest.fixture
@@ -61,35 +62,6 @@ async def start_agent(region_redis: EmbeddedRedis) -> AsyncIterator[StartAgent]:
     finally:
         for agent in agents:
             await agent.abort()
-
-
-@pytest.fixture
-async def running() -> AsyncIterator[list[AgentProcess]]:
-    """Agents started by the test; killed at teardown if still running."""
-    procs: list[AgentProcess] = []
-    try:
-        yield procs
-    finally:
-        for proc in procs:
-            await proc.kill()
-
-
-@pytest.fixture
-async def supervisors() -> AsyncIterator[list[AgentProcess]]:
-    """`geolimit agent --workers N` supervisors started by the test: stopped (SIGTERM, so they
-    stop their workers) at teardown if still running, then killed."""
-    procs: list[AgentProcess] = []
-    try:
-        yield procs
-    finally:
-        await stop_all(procs)
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    """A new connection per request, so requests land on any worker sharing a port."""
-    async with any_worker_session() as s:
-        yield s
 
 
 @pytest.fixture
