@@ -58,6 +58,9 @@ class Counted:
             sock.bind(("127.0.0.1", 0))
             self.port = int(sock.getsockname()[1])
         self.out = str(folder / f"{name}.callgrind")
+        self.dumps = 0  # the number of the last dump read
+        for old in glob.glob(self.out + "*"):  # an earlier run's, in a --keep folder
+            os.remove(old)
         self.proc = subprocess.Popen(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={self.out}", binary, "--port", str(self.port),
              "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
@@ -83,7 +86,13 @@ class Counted:
         """Instructions since the last zero (dumps the counters)."""
         subprocess.run(["callgrind_control", "-d", tag, str(self.proc.pid)], check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
-        newest = max(glob.glob(self.out + "*"), key=os.path.getmtime)
+        # Dumps are numbered <out>.1, <out>.2, ...: the highest is this one (mtimes tie within a
+        # second). callgrind_control writes none for some tags (one with "(") and says nothing.
+        numbers = [int(name.rsplit(".", 1)[1]) for name in glob.glob(self.out + ".*")]
+        if not numbers or max(numbers) <= self.dumps:
+            raise RuntimeError(f"callgrind wrote no dump for tag {tag!r}")
+        self.dumps = max(numbers)
+        newest = f"{self.out}.{self.dumps}"
         found = re.search(r"^(?:summary|totals): (\d+)", Path(newest).read_text(), re.M)
         if found is None:
             raise RuntimeError(f"no instruction total in {newest}")
