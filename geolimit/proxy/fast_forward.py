@@ -92,8 +92,28 @@ def _client_head(head: UpstreamHead, extra: list[tuple[str, str]], empty: bool, 
     """The response head for the client: as :func:`~geolimit.proxy.forwarding.response_headers` and aiohttp's
     ``StreamResponse`` make it (end-to-end headers, ``extra`` replacing same-named ones, the framing, and
     ``Content-Type``, ``Date`` and ``Server`` when the upstream sent none)."""
+    key = (empty, server, *[name for name, _ in extra])
+    parts = head.memo.get(key)
+    if parts is None:
+        if len(head.memo) >= 16:
+            head.memo.clear()
+        parts = head.memo[key] = _client_parts(head, [name for name, _ in extra], empty, server)
+    prefix, middle, has_date, suffix = parts
+    lines = [prefix, *[f"{name}: {value}\r\n" for name, value in extra], middle]
+    if not has_date:
+        lines.append(f"Date: {http_date()}\r\n")
+    lines.append(suffix)
+    if close:
+        lines.append("Connection: close\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1")
+
+
+def _client_parts(head: UpstreamHead, extra: list[str], empty: bool, server: str) -> tuple[str, str, bool, str]:
+    """What :func:`_client_head` takes from ``head`` alone: the lines before ``extra``'s, those after them
+    until ``Date``, whether the upstream sent a ``Date``, and the ``Server`` line (or "")."""
     status, length, named = head.status, head.length, head.named
-    replaced = {name.lower() for name, _ in extra}
+    replaced = {name.lower() for name in extra}
     drop_length = status in (204, 304) or not empty  # a HEAD answer keeps the upstream's length
     has_date = has_server = has_type = False
     lines = [f"HTTP/1.1 {status} {head.reason or status_phrase(status)}\r\n"]
@@ -108,25 +128,24 @@ def _client_head(head: UpstreamHead, extra: list[tuple[str, str]], empty: bool, 
         elif lower == "content-type":
             has_type = True
         lines.append(f"{name}: {value}\r\n")
-    lines += [f"{name}: {value}\r\n" for name, value in extra]
+    middle = []
     if not empty:
-        lines.append("Transfer-Encoding: chunked\r\n" if length is None else f"Content-Length: {length}\r\n")
+        middle.append("Transfer-Encoding: chunked\r\n" if length is None else f"Content-Length: {length}\r\n")
         if length != 0 and not has_type:
-            lines.append("Content-Type: application/octet-stream\r\n")
-    if not has_date:
-        lines.append(f"Date: {http_date()}\r\n")
-    if not has_server:
-        lines.append(f"Server: {server}\r\n")
-    if close:
-        lines.append("Connection: close\r\n")
-    lines.append("\r\n")
-    return "".join(lines).encode("latin-1")
+            middle.append("Content-Type: application/octet-stream\r\n")
+    return "".join(lines), "".join(middle), has_date, "" if has_server else f"Server: {server}\r\n"
 
 
 def _upstream_head(req: FastRequest, peer: str | None, state: State) -> tuple[str, str | None, str]:
     """The request head for the upstream around its Host line: as
     :func:`~geolimit.proxy.forwarding.request_headers` makes it (hop-by-hop and rebuilt headers dropped,
-    ``Content-Length`` when known, else 0 for methods that may carry a body, as aiohttp's client sends)."""
+    ``Content-Length`` when known, else 0 for methods that may carry a body, as aiohttp's client sends).
+    Kept in ``req.memo`` for the same peer and trusted networks (``req`` is shared by the requests with
+    the same head bytes)."""
+    trusted = state.trusted
+    memo = req.memo.get(peer)
+    if memo is not None and memo[0] is trusted:
+        return memo[1], memo[2], memo[3]
     named = req.named
     lines = [f"{req.method} {req.target} HTTP/1.1\r\n"]
     for name, lower, value in req.items:
@@ -140,9 +159,13 @@ def _upstream_head(req: FastRequest, peer: str | None, state: State) -> tuple[st
     elif req.method not in _BODILESS_METHODS:
         tail.append("Content-Length: 0\r\n")
     tail += [f"{name}: {value}\r\n" for name, value in
-             rebuilt_headers(client_host, req.values, peer=peer, scheme="http", trusted=state.trusted)]
+             rebuilt_headers(client_host, req.values, peer=peer, scheme="http", trusted=trusted)]
     tail.append("\r\n")
-    return "".join(lines), client_host, "".join(tail)
+    prefix, suffix = "".join(lines), "".join(tail)
+    if len(req.memo) >= 16:
+        req.memo.clear()
+    req.memo[peer] = (trusted, prefix, client_host, suffix)
+    return prefix, client_host, suffix
 
 
 class FastForwarder:

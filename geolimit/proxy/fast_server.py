@@ -2,7 +2,7 @@
 
 Why: aiohttp's server and client cost more CPU per request than the 60 % goal of
 the proxy benchmark leaves (docs/design.md §9). :class:`FastProtocol` parses the
-common requests itself (:func:`~geolimit.proxy.fast_wire.parse_request_head`:
+common requests itself (:func:`~geolimit.proxy.fast_wire.request_head`:
 HTTP/1.1, origin-form, no body or a ``Content-Length`` body of at most
 :data:`~geolimit.proxy.handler.SMALL_BODY` bytes within ``max_body``) and serves
 them with :class:`~geolimit.proxy.fast_forward.FastForwarder` over pooled upstream
@@ -39,8 +39,8 @@ from geolimit.proxy.fast_upstream import LazyDeadline
 from geolimit.proxy.fast_wire import (
     FastRequest,
     http_date,
-    parse_request_head,
     plausible_start,
+    request_head,
     serialize_head,
     status_phrase,
 )
@@ -128,7 +128,7 @@ class FastProtocol(LazyDeadline, asyncio.Protocol):
             else:
                 self._partial()
             return
-        req = parse_request_head(buf[:end + 4])
+        req = request_head(buf[:end + 4])
         if req is None:
             self._hand_off()
             return

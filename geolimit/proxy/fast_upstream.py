@@ -17,7 +17,7 @@ from typing import Protocol, cast
 
 from yarl import URL
 
-from geolimit.proxy.fast_wire import ChunkedDecoder, UpstreamHead, _WireError, parse_response_head
+from geolimit.proxy.fast_wire import ChunkedDecoder, UpstreamHead, _WireError, response_head
 from geolimit.proxy.state import Upstream
 
 __all__ = ["BodyConsumer", "LazyDeadline", "UpstreamConnection", "UpstreamPool"]
@@ -84,6 +84,7 @@ class UpstreamConnection(LazyDeadline, asyncio.Protocol):
         self._ended: BaseException | bool | None = False  # False: body not ended; None: ended well
         self._consumer: BodyConsumer | None = None
         self._reusable = False
+        self._overrun = False  # more body than the head promised: never reuse this connection
         self._held = False
 
     # -- asyncio callbacks -----------------------------------------------------------
@@ -111,7 +112,7 @@ class UpstreamConnection(LazyDeadline, asyncio.Protocol):
                 self._buf = buf
                 return
             try:
-                head = parse_response_head(buf[:end + 4], self._method)
+                head = response_head(buf[:end + 4], self._method)
             except _WireError as exc:
                 self._fail(exc)
                 return
@@ -155,6 +156,7 @@ class UpstreamConnection(LazyDeadline, asyncio.Protocol):
         self._ended = False
         self._consumer = None
         self._reusable = False
+        self._overrun = False
         self._held = False
         self.received = False
         waiter: asyncio.Future[UpstreamHead] = self._loop.create_future()
@@ -240,7 +242,7 @@ class UpstreamConnection(LazyDeadline, asyncio.Protocol):
             if len(data) > self._left:
                 self._deliver(data[:self._left])
                 self._left = 0
-                head.keep_alive = False  # more than promised: never reuse this connection
+                self._overrun = True  # more than promised: never reuse this connection
                 self._end(None)
                 return
             self._left -= len(data)
@@ -264,7 +266,8 @@ class UpstreamConnection(LazyDeadline, asyncio.Protocol):
     def _end(self, exc: BaseException | None) -> None:
         self._cancel_timer()
         self._ended = exc
-        self._reusable = exc is None and self._head is not None and self._head.keep_alive and not self.closed
+        self._reusable = (exc is None and self._head is not None and self._head.keep_alive and not self._overrun
+                          and not self.closed)
         if not self._reusable and not self.closed:
             self.closed = True
             if self.transport is not None:

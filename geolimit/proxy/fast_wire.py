@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
 
 from multidict import CIMultiDict
 
-__all__ = ["ChunkedDecoder", "FastRequest", "UpstreamHead", "http_date",
-           "parse_request_head", "parse_response_head", "plausible_start", "serialize_head", "status_phrase"]
+__all__ = ["ChunkedDecoder", "FastRequest", "UpstreamHead", "http_date", "parse_request_head",
+           "parse_response_head", "plausible_start", "request_head", "response_head", "serialize_head",
+           "status_phrase"]
 
 _BAD_REQUEST_BYTE = re.compile(rb"[^\t\r\n\x20-\x7e]|\r(?!\n)|(?<!\r)\n")
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
@@ -63,6 +64,10 @@ class FastRequest:
     named: frozenset[str]  # the tokens of Connection (header names to drop, and close / keep-alive)
     content_length: int | None
     close: bool  # the client sent Connection: close
+    #: What the fast path derives from this head alone, kept for the next request with the same
+    #: bytes (see :func:`request_head`): ``peer -> (trusted networks, upstream head parts)``.
+    memo: dict[str | None, tuple[object, str, str | None, str]] = field(default_factory=dict, repr=False,
+                                                                       compare=False)
 
     def values(self, lower: str) -> list[str]:
         """Every value of a header (``lower``: its name in lower case)."""
@@ -137,6 +142,48 @@ class UpstreamHead:
     length: int | None  # Content-Length, when that frames the body
     chunked: bool
     keep_alive: bool  # the connection can carry another request after this body
+    #: The client's response head made from this one, in parts (see :func:`response_head`).
+    memo: dict[tuple[object, ...], tuple[str, str, bool, str]] = field(default_factory=dict, repr=False,
+                                                                       compare=False)
+
+
+#: Parsed heads by their bytes: a client usually sends the same head again (the same path, the same
+#: headers) and an upstream answers with the same head but for its Date, so most requests skip the
+#: parsing and what is derived from a head (each FastRequest or UpstreamHead is never changed once
+#: made, and what is derived from it is kept in its ``memo``). Bounded: emptied when full.
+_CACHE_ENTRIES = 256
+_CACHED_HEAD = 4096  # longer heads are parsed every time
+_requests: dict[bytes, FastRequest | None] = {}
+_responses: dict[tuple[bytes, bool], UpstreamHead] = {}
+
+
+def request_head(head: bytes) -> FastRequest | None:
+    """:func:`parse_request_head`, the same result for the same bytes (shared: never change it)."""
+    try:
+        return _requests[head]
+    except KeyError:
+        pass
+    req = parse_request_head(head)
+    if len(head) <= _CACHED_HEAD:
+        if len(_requests) >= _CACHE_ENTRIES:
+            _requests.clear()
+        _requests[head] = req
+    return req
+
+
+def response_head(head: bytes, method: str) -> UpstreamHead:
+    """:func:`parse_response_head`, the same result for the same bytes and kind of method (shared)."""
+    key = (head, method == "HEAD")
+    try:
+        return _responses[key]
+    except KeyError:
+        pass
+    parsed = parse_response_head(head, method)
+    if len(head) <= _CACHED_HEAD:
+        if len(_responses) >= _CACHE_ENTRIES:
+            _responses.clear()
+        _responses[key] = parsed
+    return parsed
 
 
 def parse_response_head(head: bytes, method: str) -> UpstreamHead:
