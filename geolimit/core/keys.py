@@ -93,6 +93,11 @@ class KeyLayout:
         return tag + b"#r", tag + b"#c", tag + b"#p"
 
     @property
+    def ae_requests_key(self) -> bytes:
+        """The region's anti-entropy request list (replication/ae_requests.py), on shard 0's tag."""
+        return self.tag(0) + b"#aq"
+
+    @property
     def rules_key(self) -> bytes:
         return self.prefix.encode() + b"#rules"
 

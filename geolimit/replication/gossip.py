@@ -103,6 +103,7 @@ class GossipEngine(Sender):
             self.stats["unparked"] += await self.store.parked.release(round(self.region_clock() * 1_000_000), relay)
         self._start_sends(now)
         await self._prune()
+        await self.repair.share_requests()
         self.repair.start_due(now)
         await self._reclaim(now)
         self.stats["rounds"] += 1

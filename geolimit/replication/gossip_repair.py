@@ -17,6 +17,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from geolimit.errors import ProtocolError, StorageError
+from geolimit.replication.ae_requests import AntiEntropyRequests
 from geolimit.replication.antientropy import AntiEntropy, AntiEntropyResult
 from geolimit.replication.antientropy.common import Admit
 from geolimit.replication.peers import PeerState
@@ -59,8 +60,46 @@ class AntiEntropyDriver:
             max_keys=settings.ae_max_keys, duty=settings.ae_duty,
         )
         self.last: dict[str, AntiEntropyResult] = {}
+        self.requests = AntiEntropyRequests(store.store, store.layout)
         #: Peers whose running exchange repairs a wipe of our Redis (see _merge).
         self._relay_all: set[str] = set()
+
+    async def share_requests(self) -> None:
+        """With several workers per region (``shared_requests``): the initiator takes the
+        exchanges the other workers asked for; any other worker hands over what it needs.
+
+        A worker that is not the initiator never starts an exchange, so what it learns (a
+        wipe of shards it owns, a peer's report of a link down, a refused batch, a peer
+        back after failures) would otherwise wait for the next periodic exchange.
+        """
+        engine = self.engine
+        if not engine.settings.shared_requests:
+            return
+        peers = engine.peers
+        if engine.settings.anti_entropy:
+            for name, request in (await self.requests.take(peers)).items():
+                peer = peers[name]
+                # An exchange that was asked for (not a periodic one, which skips the latest
+                # buckets) and started after the request covers its cause: not again.
+                if not request.after_wipe and peer.ae_asked_at is not None and peer.ae_asked_at >= request.posted:
+                    continue
+                peer.ae_needed = True
+                peer.ae_after_wipe = peer.ae_after_wipe or request.after_wipe
+            return
+        # Cleared before the call: a flag that a send sets meanwhile is handed over next round.
+        wanted = {p.name: p.ae_after_wipe for p in peers.values() if p.ae_needed}
+        for name in wanted:
+            peers[name].ae_needed = peers[name].ae_after_wipe = False
+        try:
+            await self.requests.post(wanted, engine.clock())
+        except BaseException:
+            for name, after_wipe in wanted.items():
+                peers[name].ae_needed = True
+                peers[name].ae_after_wipe = peers[name].ae_after_wipe or after_wipe
+            raise
+        if wanted:
+            log.info("region %s: asked the region's first worker for anti-entropy with %s",
+                     engine.region, ", ".join(sorted(wanted)))
 
     def start_due(self, now: float) -> None:
         """Start an exchange with every reachable peer that needs or is due one."""
@@ -110,6 +149,8 @@ class AntiEntropyDriver:
         # A periodic exchange settles (skips the buckets that deltas may still be filling);
         # one that something asked for (start-up, a wipe, a link back up) compares all.
         periodic = not peer.ae_needed
+        if not periodic:
+            peer.ae_asked_at = engine.clock()
         peer.ae_needed = False
         after_wipe, peer.ae_after_wipe = peer.ae_after_wipe, False
         if after_wipe:

@@ -30,6 +30,8 @@ class EngineSettings:
     ae_settle: float = 10.0
     ae_duty: float = 1.0  # share of Redis time anti-entropy scans may take (each script call is ~1 ms anyway)
     anti_entropy: bool = True  # initiate exchanges (one worker per region does; every worker serves them)
+    #: Several workers per region: the others' anti-entropy requests reach the initiator through Redis.
+    shared_requests: bool = False
 
 
 #: A burst's first message carries 1/RAMP_START of the message limit (PeerState.ramp_limit).
@@ -75,6 +77,7 @@ class PeerState:
     failing: frozenset[str] = frozenset()  # peers this peer reports it cannot deliver to
     ae_needed: bool = True
     ae_running: bool = False
+    ae_asked_at: float | None = None  # when the last exchange that something asked for started
     ae_due: float = 0.0
     ae_concluded: bool = False
     ae_after_wipe: bool = False  # the next exchange repairs our wiped Redis: relay what it merges to all

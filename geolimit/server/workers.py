@@ -12,6 +12,10 @@ I``); each is an ordinary :class:`~geolimit.server.agent.Agent` that:
   kernel spreads API and gossip connections over the workers;
 * initiates anti-entropy only if it is worker 0 (every worker serves the
   exchanges peers start; an exchange's steps follow one pinned connection);
+  what the others learn that needs an exchange (a wipe of shards they own, a
+  peer's report of a link down, a refused batch, a peer back after failures)
+  they hand to worker 0 through the region's Redis
+  (geolimit/replication/ae_requests.py), which starts it at its next round;
 * signs with sequence numbers of its own residue class modulo N
   (:class:`WorkerSigner`), so two workers never send the same (region, seq)
   pair, which the peers' replay guard would refuse;

@@ -1,0 +1,146 @@
+"""Anti-entropy requests between the workers of one region (``geolimit agent --workers N``).
+
+Only worker 0 starts exchanges; what another worker learns (here: Redis lost the
+data of a shard it owns) reaches worker 0 through the region's Redis. Real agents
+and real redis-servers on loopback, stepped by hand under a manual clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+import pytest
+
+from geolimit import ManualClock, Rule
+from geolimit.core.keys import KeyLayout
+from geolimit.replication.ae_requests import MAX_REQUESTS, REQUEST_TTL_MS, AntiEntropyRequests
+from geolimit.server.agent import Agent
+from geolimit.store.connect import open_async_store, open_sync_store
+from geolimit.store.embedded import EmbeddedRedis
+from tests.support.regions import Regions
+
+Factory = Callable[..., EmbeddedRedis]
+API = Rule("api", 1000, 60, 10)  # 10 s buckets: the whole test stays in one
+LAYOUT = KeyLayout()
+
+
+def owned_by(worker: int, workers: int) -> str:
+    """A subject whose shard worker ``worker`` of ``workers`` owns."""
+    return next(s for s in (f"user-{i}" for i in range(1000)) if LAYOUT.shard_of(s.encode()) % workers == worker)
+
+
+@dataclass
+class TwoWorkers:
+    rs: Regions
+    workers: list[Agent]  # region a's worker 0 and worker 1, on one Redis
+
+    async def step(self, rounds: int) -> None:
+        for _ in range(rounds):
+            for worker in self.workers:
+                await worker.step()
+            await self.rs["b"].agent.step()
+            assert isinstance(self.rs.clock, ManualClock)
+            self.rs.clock.advance(self.rs.interval)
+
+
+@pytest.fixture
+async def two_workers(redis_server_factory: Factory) -> AsyncIterator[TwoWorkers]:
+    start = float(int(time.time()) // 10 * 10)  # the start of a bucket
+    # No periodic exchange during the test: only what something asks for runs.
+    async with Regions(redis_server_factory, ["a", "b"], [API], run_loops=False, clock=ManualClock(start),
+                       anti_entropy_interval=3600) as rs:
+        await rs["a"].agent.abort()
+        config = replace(rs["a"].config, workers=2)
+        workers = [Agent(config, clock=rs.clock, worker_index=i) for i in range(2)]
+        try:
+            for worker in workers:
+                await worker.listen()
+                worker.set_peer_url("b", rs.urls["b"])
+            rs["b"].agent.set_peer_url("a", workers[0].url)
+            pair = TwoWorkers(rs, workers)
+            await pair.step(2)  # leases, and worker 0's first exchange with b
+            yield pair
+        finally:
+            for worker in workers:
+                await worker.abort()
+
+
+def runs_with_b(agent: Agent) -> int:
+    assert agent.engine is not None
+    return agent.engine.peers["b"].ae_ok
+
+
+async def test_a_wipe_that_only_worker_1_sees_is_repaired_by_worker_0_at_once(two_workers: TwoWorkers) -> None:
+    """A Redis Cluster node that held only worker 1's shards lost its data: worker 1 finds
+    the wipe, and worker 0 (the region's only initiator) repairs it from b within a few
+    rounds. Before, nothing did until the next periodic exchange (an hour here)."""
+    rs, (first, _) = two_workers.rs, two_workers.workers
+    victim = owned_by(1, 2)
+    rs["b"].app().hit("api", victim, cost=4)
+    await two_workers.step(3)
+    a = rs["a"].app()
+    assert a.usage("api", victim).by_region == {"b": 4}
+    shard = LAYOUT.shard_of(victim.encode())
+    rs["a"].client().delete(LAYOUT.registry_key(shard), LAYOUT.data_key("api", victim.encode()))
+    assert a.usage("api", victim).by_region == {}
+    runs = runs_with_b(first)
+    await two_workers.step(5)
+    assert a.usage("api", victim).by_region == {"b": 4}
+    assert runs_with_b(first) == runs + 1  # one exchange: the one worker 1 asked for
+
+
+async def test_a_request_that_an_asked_for_exchange_already_covers_starts_none(two_workers: TwoWorkers) -> None:
+    """Worker 0 saw it too (a peer back after failures: every worker sees that) and its
+    exchange started after worker 1 asked: the request is not run a second time. A
+    request posted after that exchange started is."""
+    first, second = two_workers.workers
+    assert first.engine is not None
+    assert second.engine is not None
+    peer = first.engine.peers["b"]
+    assert peer.ae_asked_at is not None
+    assert not peer.ae_needed
+    requests = second.engine.repair.requests
+    await requests.post({"b": False}, peer.ae_asked_at - 1.0)
+    await first.engine.repair.share_requests()
+    assert not peer.ae_needed
+    await requests.post({"b": False}, peer.ae_asked_at + 1.0)
+    await first.engine.repair.share_requests()
+    assert peer.ae_needed
+    assert not peer.ae_after_wipe
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def request_url(request: pytest.FixtureRequest) -> str:
+    """A real Redis, and a real 3-node Redis Cluster (the list lives on shard 0's node)."""
+    if request.param == "cluster":
+        request.getfixturevalue("cluster_client")  # flushed
+        url: str = request.getfixturevalue("redis_cluster_url")
+    else:
+        request.getfixturevalue("redis_client")  # flushed
+        url = request.getfixturevalue("redis_url")
+    return url
+
+
+async def test_requests_are_merged_per_peer_bounded_expire_and_junk_is_dropped(request_url: str) -> None:
+    store = open_async_store(request_url)
+    client = open_sync_store(request_url)
+    try:
+        requests = AntiEntropyRequests(store, LAYOUT)
+        await requests.post({"b": False, "c": True}, 100.0)
+        await requests.post({"b": True}, 90.0)
+        raw = client.client()
+        raw.rpush(LAYOUT.ae_requests_key, b"junk", b"n:notanumber:b", b"x:5:b", b"n:5:gone")
+        taken = await requests.take(["b", "c"])
+        assert {p: (r.after_wipe, r.posted) for p, r in taken.items()} == {"b": (True, 100.0), "c": (True, 100.0)}
+        assert await requests.take(["b", "c"]) == {}  # taken once
+        await requests.post({f"p{i}": False for i in range(MAX_REQUESTS + 50)}, 1.0)
+        assert raw.llen(LAYOUT.ae_requests_key) == MAX_REQUESTS  # the oldest went
+        assert 0 < raw.pttl(LAYOUT.ae_requests_key) <= REQUEST_TTL_MS
+        assert set(await requests.take([f"p{i}" for i in range(MAX_REQUESTS + 50)])) == {
+            f"p{i}" for i in range(50, MAX_REQUESTS + 50)
+        }
+    finally:
+        await store.close()
+        client.close()
