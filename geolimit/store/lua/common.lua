@@ -113,9 +113,10 @@ end
 -- 'p<slot index>' = 'at:units:gap' (written by merge.lua, see
 -- geolimit.core.policy.Rise). Last, field 'u' as stored (this region's own recent
 -- admissions, see quanta()). Fields whose name or value is not a number are
--- ignored (geolimit.core.window.read_key does the same).
-local function load_window(key, c, N, M, per_slot, approx)
-  local flat = call('HGETALL', key)
+-- ignored (geolimit.core.window.read_key does the same). flat: the key's HGETALL
+-- reply if the caller has it (read only), else the key is read here.
+local function load_window(key, c, N, M, per_slot, approx, flat)
+  flat = flat or call('HGETALL', key)
   local n = #flat
   local sums = {}
   for d = 0, N do sums[d] = 0 end

@@ -19,6 +19,44 @@ local region, nonce = ARGV[2], ARGV[3]
 local out = {}
 local ai, ki = 5, 1
 
+-- A batch often decides the same key again (one busy subject): what this call read of a
+-- registry (its HMGET of '@', 'a', 'k') and of a data key (its HGETALL) is kept, with the
+-- call's own HSETs applied to it as Redis applies them (a new field goes last), so the
+-- next request of the batch reads the same as Redis would give it without asking again.
+-- Any other write to such a key forgets it. (Not for a batch of one request: flats is nil.)
+local regs_read, flats = {}, nil
+if tonumber(ARGV[4]) > 1 then flats = {} end
+local function read_flat(key)
+  if not flats then return nil end
+  local flat = flats[key]
+  if not flat then
+    flat = call('HGETALL', key)
+    flats[key] = flat
+  end
+  return flat
+end
+local function hset(key, ...)
+  call('HSET', key, ...)
+  local flat = flats and flats[key]
+  if not flat then return end
+  local kv = {...}
+  for i = 1, #kv, 2 do
+    local f, v, at = kv[i], kv[i + 1], nil
+    for j = 1, #flat, 2 do
+      if flat[j] == f then
+        at = j
+        break
+      end
+    end
+    if at then
+      flat[at + 1] = v
+    else
+      flat[#flat + 1] = f
+      flat[#flat + 1] = v
+    end
+  end
+end
+
 -- Escrow hold of a shard: field xo of its registry says its escrow state is
 -- intact; without it (a new or wiped Redis) escrow rules are denied from xs on,
 -- until the agent has pulled every peer's state and a window has passed.
@@ -101,6 +139,7 @@ end
 
 -- Record an escrow request: its own step (if admitted) and the units asked for.
 local function escrow_write(key, r, cost, consumed, ttl, track, chg)
+  if flats then flats[key] = nil end
   local st = r.st
   if consumed and cost > 0 then
     local pos = r.cur % (r.n + 1)
@@ -126,7 +165,11 @@ for _ = 1, tonumber(ARGV[4]) do
   -- The registry: own slot, the agent's lease (both for tracking) and the clock
   -- correction: gossip-mode rules run on the agreed region clock gnow, escrow
   -- rules and the lease on this Redis's own clock (now).
-  local regs = call('HMGET', reg, '@', 'a', 'k')
+  local regs = regs_read[reg]
+  if not regs then
+    regs = call('HMGET', reg, '@', 'a', 'k')
+    regs_read[reg] = regs
+  end
   local gnow = now + (tonumber(regs[3]) or 0)
   local res_all, rs, info, held = true, {}, nil, false
   for j = 1, nr do
@@ -143,7 +186,8 @@ for _ = 1, tonumber(ARGV[4]) do
       local partition = tonumber(ARGV[ai + 7])
       local c = bucket(gnow, res)
       local watch = predict or partition > 0
-      local sums, futs, h, own, stale, slots, firsts, e, rises, u = load_window(KEYS[ki + j - 1], c, N, M, watch, approx)
+      local sums, futs, h, own, stale, slots, firsts, e, rises, u = load_window(KEYS[ki + j - 1], c, N, M, watch, approx,
+                                                                                  read_flat(KEYS[ki + j - 1]))
       local reserve, closed, predicted, ends, falls = 0, false, 0, 0, nil
       local after = tonumber(ARGV[ai + 8])
       local uq, ucs = nil, nil  -- field 'u', read (predicting approximate rules with peers: rewritten on admission)
@@ -185,6 +229,7 @@ for _ = 1, tonumber(ARGV[4]) do
   local track
   if consumed and cost > 0 then
     track = tracking(reg, region, nonce, now, regs)
+    if not regs[1] then regs_read[reg] = nil end  -- tracking() made the registry
     for j = 1, nr do
       local key, r = KEYS[ki + j - 1], rs[j]
       if not r.escrow then
@@ -195,22 +240,25 @@ for _ = 1, tonumber(ARGV[4]) do
         -- field 'u' (see quanta()) when this rule records its own admissions
         local um = r.ucs and quanta_add(r.uq, r.ucs, gnow, quantum(r.after), cost)
         if h == nil or c > h then
-          if #r.stale > 0 then chunked('HDEL', key, r.stale, 1000) end
+          if #r.stale > 0 then
+            chunked('HDEL', key, r.stale, 1000)
+            if flats then flats[key] = nil end
+          end
           local mark = expiry_mark(r.e, r.ttl)
           if mark and um then
-            call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark), 'u', um)
+            hset(key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark), 'u', um)
           elseif mark then
-            call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark))
+            hset(key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark))
           elseif um then
-            call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value), 'u', um)
+            hset(key, 'h', fmt(c), fmt(c % M), fmt(value), 'u', um)
           else
-            call('HSET', key, 'h', fmt(c), fmt(c % M), fmt(value))
+            hset(key, 'h', fmt(c), fmt(c % M), fmt(value))
           end
           if mark then arm_expiry(key, mark) end
         elseif um then
-          call('HSET', key, fmt(c % M), fmt(value), 'u', um)
+          hset(key, fmt(c % M), fmt(value), 'u', um)
         else
-          call('HSET', key, fmt(c % M), fmt(value))
+          hset(key, fmt(c % M), fmt(value))
         end
         if track then call('HSETNX', chg, key, fmt(c)) end
       end
@@ -222,7 +270,10 @@ for _ = 1, tonumber(ARGV[4]) do
     local ok, used, retry, reset, stable
     if r.escrow then
       if consume and r.st then
-        if track == nil then track = tracking(reg, region, nonce, now, regs) end
+        if track == nil then
+          track = tracking(reg, region, nonce, now, regs)
+          if not regs[1] then regs_read[reg] = nil end
+        end
         escrow_write(KEYS[ki + j - 1], r, cost, consumed, r.ttl, track, chg)
       end
       ok, used, retry, reset, stable = escrow_reply(r, cost, consumed)
