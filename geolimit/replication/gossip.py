@@ -28,6 +28,7 @@ from geolimit.replication.antientropy import AntiEntropyResult
 from geolimit.replication.clock_sync import agreed_correction
 from geolimit.replication.gossip_repair import AntiEntropyDriver
 from geolimit.replication.gossip_send import Sender
+from geolimit.replication.heard import SharedHeard
 from geolimit.replication.peers import EngineSettings, PeerState
 from geolimit.replication.redis_io import MAX_WINDOW, ReplicationStore
 from geolimit.replication.transport import Transport
@@ -85,6 +86,8 @@ class GossipEngine(Sender):
         self._reclaim_next = 0  # index into the owned shards of the next page to reclaim slots in
         self._reclaim_at = 0.0  # when (engine clock) the next page is due
         self.repair = AntiEntropyDriver(self)
+        self.heard = SharedHeard(store.store, store.layout)  # with several workers (heard.py)
+        self.sharing_error: str | None = None  # why the workers' shared state is out of reach
 
     # -- rounds ---------------------------------------------------------------
 
@@ -111,6 +114,8 @@ class GossipEngine(Sender):
 
     async def _drain(self, now: float) -> None:
         lease = int(self.settings.lease_ttl * 1_000_000)
+        if self.settings.several_workers:
+            await self._share_heard()
         try:
             self.clock_correction = agreed_correction(
                 (p.skew for p in self.peers.values() if p.skew_known), len(self.peers) + 1
@@ -130,6 +135,30 @@ class GossipEngine(Sender):
         for peer in self.peers.values():
             peer.pending = drained.pending.get(peer.name, {})
             peer.oldest_us = drained.oldest_us.get(peer.name)
+
+    async def _share_heard(self) -> None:
+        """With several workers: a peer's deltas reach one of them; take the latest time any
+        worker heard from each peer (heard.py), before this worker publishes their ages."""
+        try:
+            latest = await self.heard.exchange({p.name: p.last_heard for p in self.peers.values()})
+        except StorageError as exc:
+            self.note_sharing(str(exc))
+            return
+        self.note_sharing(None)
+        for name, when in latest.items():
+            peer = self.peers[name]
+            if peer.last_heard is None or when > peer.last_heard:
+                peer.last_heard = when
+
+    def note_sharing(self, error: str | None) -> None:
+        """The workers' shared state (shard 0's node) out of reach (``error``) or back (None).
+        Gossip goes on meanwhile, on what this worker learns by itself."""
+        if error is not None and self.sharing_error is None:
+            log.warning("region %s: cannot share peers' freshness and anti-entropy requests with the other "
+                        "workers (gossip goes on): %s", self.region, error)
+        elif error is None and self.sharing_error is not None:
+            log.info("region %s: sharing with the other workers again", self.region)
+        self.sharing_error = error
 
     def _note_failed_shards(self, failed: dict[int, str]) -> None:
         """Shards whose Redis (a Cluster node) failed this round: the others' gossip goes on."""
@@ -256,7 +285,10 @@ class GossipEngine(Sender):
 
         A peer's counts are current as of its last drain before it last sent to us
         directly: our receive time, minus half the round trip, minus up to one
-        interval of drain lag. A peer never heard from is as stale as can be.
+        interval of drain lag. A peer never heard from is as stale as can be. Only
+        its deltas (heartbeats included) count: its answers to our messages carry
+        none of its counts, and a peer whose own messages cannot reach us answers
+        ours all the same.
         """
         ages: dict[str, int] = {}
         for peer in self.peers.values():

@@ -65,7 +65,7 @@ class AntiEntropyDriver:
         self._relay_all: set[str] = set()
 
     async def share_requests(self) -> None:
-        """With several workers per region (``shared_requests``): the initiator takes the
+        """With several workers per region (``several_workers``): the initiator takes the
         exchanges the other workers asked for; any other worker hands over what it needs.
 
         A worker that is not the initiator never starts an exchange, so what it learns (a
@@ -73,11 +73,16 @@ class AntiEntropyDriver:
         back after failures) would otherwise wait for the next periodic exchange.
         """
         engine = self.engine
-        if not engine.settings.shared_requests:
+        if not engine.settings.several_workers:
             return
         peers = engine.peers
         if engine.settings.anti_entropy:
-            for name, request in (await self.requests.take(peers)).items():
+            try:
+                taken = await self.requests.take(peers)
+            except StorageError as exc:
+                engine.note_sharing(str(exc))
+                return
+            for name, request in taken.items():
                 peer = peers[name]
                 # An exchange that was asked for (not a periodic one, which skips the latest
                 # buckets) and started after the request covers its cause: not again.
@@ -92,11 +97,14 @@ class AntiEntropyDriver:
             peers[name].ae_needed = peers[name].ae_after_wipe = False
         try:
             await self.requests.post(wanted, engine.clock())
-        except BaseException:
+        except BaseException as exc:
             for name, after_wipe in wanted.items():
                 peers[name].ae_needed = True
                 peers[name].ae_after_wipe = peers[name].ae_after_wipe or after_wipe
-            raise
+            if not isinstance(exc, StorageError):
+                raise
+            engine.note_sharing(str(exc))
+            return
         if wanted:
             log.info("region %s: asked the region's first worker for anti-entropy with %s",
                      engine.region, ", ".join(sorted(wanted)))
@@ -123,9 +131,9 @@ class AntiEntropyDriver:
         sent = engine.clock()
         reply = await engine.transport.send(peer, msg)
         state = engine.peers[peer]
-        state.last_heard = engine.clock()
-        engine.note_clock_sample(state, reply.now_us, sent, state.last_heard)
-        engine.note_reach(state, reply, state.last_heard)
+        now = engine.clock()  # the peer's counts are not newer for it (not last_heard: see peer_ages)
+        engine.note_clock_sample(state, reply.now_us, sent, now)
+        engine.note_reach(state, reply, now)
         return reply.ae
 
     async def _merge(self, peer: str, blobs: list[Blob], admit: Admit | None) -> None:

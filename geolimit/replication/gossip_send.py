@@ -162,7 +162,10 @@ class Sender(Receiver):
             peer.ae_failures = 0
             peer.ae_retry_at = 0.0
         peer.failures = 0
-        peer.last_ok = peer.last_heard = now
+        # Not last_heard: an acknowledgement carries none of the peer's counts, and a peer whose
+        # own deltas cannot reach us (a wrong URL for us in its config, its egress blocked)
+        # acknowledges ours all the same (GossipEngine.peer_ages).
+        peer.last_ok = now
         peer.next_attempt = 0.0
         self.note_reach(peer, reply, now)
 

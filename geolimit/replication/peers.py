@@ -30,8 +30,9 @@ class EngineSettings:
     ae_settle: float = 10.0
     ae_duty: float = 1.0  # share of Redis time anti-entropy scans may take (each script call is ~1 ms anyway)
     anti_entropy: bool = True  # initiate exchanges (one worker per region does; every worker serves them)
-    #: Several workers per region: the others' anti-entropy requests reach the initiator through Redis.
-    shared_requests: bool = False
+    #: Several workers per region: they share, through the region's Redis, anti-entropy requests
+    #: (ae_requests.py) and when each peer's deltas last reached any of them (heard.py).
+    several_workers: bool = False
 
 
 #: A burst's first message carries 1/RAMP_START of the message limit (PeerState.ramp_limit).
@@ -60,8 +61,8 @@ def heartbeat_for(interval: float, rules: Iterable[Rule]) -> float:
 @dataclass
 class PeerState:
     name: str
-    last_ok: float | None = None
-    last_heard: float | None = None
+    last_ok: float | None = None  # when it last answered us
+    last_heard: float | None = None  # when its last delta (or heartbeat) reached us
     update_us: int = 0  # the sender's clock (Message.now_us) of its latest delta here (0: none yet)
     last_attempt: float | None = None
     failures: int = 0

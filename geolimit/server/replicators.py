@@ -50,7 +50,7 @@ def gossip_engine(
         max_backoff=cfg.max_backoff or 2 * cfg.interval,
         heartbeat=heartbeat_for(cfg.interval, cfg.rules), lease_ttl=max(15.0, 20 * cfg.interval),
         max_cells_per_message=max(1000, min(10_000, cfg.max_message_bytes // 40)), send_timeout=cfg.timeout,
-        anti_entropy=anti_entropy, shared_requests=cfg.workers > 1,
+        anti_entropy=anti_entropy, several_workers=cfg.workers > 1,
     )
     return GossipEngine(cfg.region, [p.name for p in cfg.peers], store, transport, settings, clock)
 

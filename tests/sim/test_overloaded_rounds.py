@@ -35,3 +35,27 @@ async def test_a_region_whose_rounds_stop_applies_its_partition_policy_until_the
         sim.regions["a"].gossip = True
         await sim.advance(0.3)  # its next rounds publish b's freshness again
         assert (await sim.hit("a", "closed", "user:1")).allowed
+
+
+async def test_its_peers_apply_their_partition_policy_too_although_it_answers_them(sim_redis: str) -> None:
+    """a's rounds stop while its handler still merges and acknowledges b's deltas. b used
+    to count every acknowledgement as news of a, so a's counts looked current in b for as
+    long as a's rounds were stuck; only a's own deltas (heartbeats included) say that now."""
+    async with SimCluster(sim_redis, ["a", "b"], [CLOSED], seed=1) as sim:
+        await sim.advance(3.0)
+        assert (await sim.hit("b", "closed", "user:1")).allowed
+        sim.regions["a"].gossip = False
+        stopped = sim.now
+        denied_after = None
+        while sim.now - stopped < 3.0:
+            await sim.advance(0.01)
+            if not (await sim.hit("b", "closed", "user:1")).allowed:
+                denied_after = sim.now - stopped
+                break
+        assert denied_after is not None, "b kept deciding on a's counts as if they were current"
+        # partition_after (1 s) after a's last delta, which came at most a heartbeat (0.25 s) earlier
+        assert 0.5 <= denied_after <= 1.25
+        assert sim.network.link("b", "a").messages > 0  # b kept reaching a meanwhile
+        sim.regions["a"].gossip = True
+        await sim.advance(0.5)
+        assert (await sim.hit("b", "closed", "user:1")).allowed

@@ -1,8 +1,11 @@
-"""Anti-entropy requests between the workers of one region (``geolimit agent --workers N``).
+"""What the workers of one region (``geolimit agent --workers N``) share through its Redis.
 
-Only worker 0 starts exchanges; what another worker learns (here: Redis lost the
-data of a shard it owns) reaches worker 0 through the region's Redis. Real agents
-and real redis-servers on loopback, stepped by hand under a manual clock.
+* Anti-entropy requests: only worker 0 starts exchanges; what another worker learns
+  (here: Redis lost the data of a shard it owns) reaches worker 0.
+* When each peer's deltas last arrived: they reach whichever worker accepted their
+  connection, while each worker publishes the peers' freshness for its own shards.
+
+Real agents and real redis-servers on loopback, stepped by hand under a manual clock.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from tests.support.regions import Regions
 
 Factory = Callable[..., EmbeddedRedis]
 API = Rule("api", 1000, 60, 10)  # 10 s buckets: the whole test stays in one
+CLOSED = Rule("closed", 1_000_000, 10, 1, partition="closed")  # denies while a peer's counts are > 1 s old
 LAYOUT = KeyLayout()
 
 
@@ -49,7 +53,7 @@ class TwoWorkers:
 async def two_workers(redis_server_factory: Factory) -> AsyncIterator[TwoWorkers]:
     start = float(int(time.time()) // 10 * 10)  # the start of a bucket
     # No periodic exchange during the test: only what something asks for runs.
-    async with Regions(redis_server_factory, ["a", "b"], [API], run_loops=False, clock=ManualClock(start),
+    async with Regions(redis_server_factory, ["a", "b"], [API, CLOSED], run_loops=False, clock=ManualClock(start),
                        anti_entropy_interval=3600) as rs:
         await rs["a"].agent.abort()
         config = replace(rs["a"].config, workers=2)
@@ -89,6 +93,26 @@ async def test_a_wipe_that_only_worker_1_sees_is_repaired_by_worker_0_at_once(tw
     await two_workers.step(5)
     assert a.usage("api", victim).by_region == {"b": 4}
     assert runs_with_b(first) == runs + 1  # one exchange: the one worker 1 asked for
+
+
+async def test_a_worker_that_b_never_sends_to_still_sees_b_current(two_workers: TwoWorkers) -> None:
+    """b's deltas all reach worker 0 (b's address for a is worker 0's); worker 1 hears of
+    them through Redis, so a closed rule on worker 1's shards allows while b is healthy,
+    and denies once b's deltas stop (b answers nobody)."""
+    rs = two_workers.rs
+    a = rs["a"].app()
+    mine, theirs = owned_by(0, 2), owned_by(1, 2)
+    await two_workers.step(30)  # 3 s: only heartbeats and acknowledgements
+    assert a.hit("closed", mine).allowed
+    assert a.hit("closed", theirs).allowed
+    await rs["b"].agent.abort()  # b is gone
+    for _ in range(20):  # 2 s of a's rounds
+        for worker in two_workers.workers:
+            await worker.step()
+        assert isinstance(rs.clock, ManualClock)
+        rs.clock.advance(rs.interval)
+    assert not a.hit("closed", mine).allowed
+    assert not a.hit("closed", theirs).allowed
 
 
 async def test_a_request_that_an_asked_for_exchange_already_covers_starts_none(two_workers: TwoWorkers) -> None:
