@@ -49,3 +49,33 @@ async def test_connections_over_max_connections_are_closed_at_their_accept(
     for raw in [again, held[0], *held[2:]]:
         await raw.close()
     await eventually(lambda: _open(agent) == 0, what="every connection closed")
+
+
+async def test_grpcio_transport_closes_connections_over_max_connections(
+    start_agent: StartAgent, tmp_path: Path,
+) -> None:
+    """The same cap on the grpcio transport (``rls_fast_path = false``): its core closes
+    the connections past ``max_connections`` (as of the start) and serves the others."""
+    agent = await start_agent(**rls_options(tmp_path, EDGE, fast=False), max_connections=4)
+    held = [await Raw.connect(agent.rls_address) for _ in range(4)]
+    for raw in held:  # each served, so each is established in grpcio's core
+        assert (await raw.answer(raw.call(rls_request()))).status == OK_STATUS
+    excess = [await Raw.connect(agent.rls_address) for _ in range(10)]
+    for raw in excess:
+        assert await asyncio.wait_for(raw.reader.read(), 5) == b""
+        await raw.close()
+    assert (await held[0].answer(held[0].call(rls_request()))).status == OK_STATUS, "the admitted ones are served"
+    await held[1].close()
+
+    async def served() -> bool:
+        raw = await Raw.connect(agent.rls_address)
+        try:
+            return (await asyncio.wait_for(raw.answer(raw.call(rls_request())), 2)).status == OK_STATUS
+        except Exception:  # closed at its accept: the place is not back yet
+            return False
+        finally:
+            await raw.close()
+
+    await eventually(served, what="a place given back")
+    for raw in [held[0], *held[2:]]:
+        await raw.close()

@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from prometheus_client import Counter, Histogram
 
 from geolimit.errors import GeolimitError, RequestError, StorageError
-from geolimit.http.connections import ListenerGuard
+from geolimit.http.connections import ListenerGuard, default_max_connections
 from geolimit.server.rls.decide import Answer, Descriptor, Transaction, answer, degraded, plan
 from geolimit.server.rls.encode import encode_response
 from geolimit.server.rls.executor import Executor
@@ -114,7 +114,10 @@ class RlsServer:
                                     idle_closed=self.idle_closed.inc)
                 bound = await server.listen(host, port, reuse_port)
             else:
-                server = UnaryServer(METHOD, self._received, options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
+                # grpcio's core closes the connections past this at their accept (read once, at start).
+                cap = guard.max_connections() if guard is not None else default_max_connections()
+                server = UnaryServer(METHOD, self._received, options=[("grpc.so_reuseport", 1 if reuse_port else 0),
+                                                                      ("grpc.max_allowed_incoming_connections", cap)])
                 bound = server.bind(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
                 await server.start()
         except GeolimitError as exc:
