@@ -137,6 +137,17 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
+def fresh_shared_redis(request: pytest.FixtureRequest) -> None:
+    """For an autouse fixture of a folder whose tests use the session's shared Redis
+    (``redis_url``) without ``redis_client``: flush it before each such test. Another
+    test may have left its region's name there (``test_slot_reclaim`` leaves 'r'), and a
+    limiter or proxy of another region refuses that Redis. Not for folders with
+    module-scoped fixtures on ``redis_url`` (this would wipe their state)."""
+    if "redis_url" in request.fixturenames:
+        request.getfixturevalue("redis_client")
+
+
+@pytest.fixture
 def cluster_client(redis_cluster_url: str) -> Iterator[redis.cluster.RedisCluster]:
     """Sync RedisCluster client (bytes responses); FLUSHALL on every primary first."""
     client = redis.cluster.RedisCluster.from_url(plain_url(redis_cluster_url))
