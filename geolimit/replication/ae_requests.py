@@ -70,7 +70,8 @@ class AntiEntropyRequests:
             flag, _, rest = entry.partition(b":")
             stamp, _, name = rest.partition(b":")
             peer = name.decode(errors="replace")
-            if peer not in known or flag not in (_AFTER_WIPE, _PLAIN) or not stamp.isdigit():
+            # A longer stamp is junk, and int() of one can fail (or overflow the division).
+            if peer not in known or flag not in (_AFTER_WIPE, _PLAIN) or not stamp.isdigit() or len(stamp) > 16:
                 continue
             had = taken.get(peer)
             after_wipe, posted = flag == _AFTER_WIPE, int(stamp) / 1e6

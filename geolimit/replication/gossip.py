@@ -140,7 +140,7 @@ class GossipEngine(Sender):
         """With several workers: a peer's deltas reach one of them; take the latest time any
         worker heard from each peer (heard.py), before this worker publishes their ages."""
         try:
-            latest = await self.heard.exchange({p.name: p.last_heard for p in self.peers.values()})
+            latest = await self.heard.exchange({p.name: p.last_heard for p in self.peers.values()}, self.clock())
         except StorageError as exc:
             self.note_sharing(str(exc))
             return

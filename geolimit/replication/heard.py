@@ -17,11 +17,16 @@ from geolimit.core.keys import KeyLayout
 from geolimit.store.async_store import AsyncStore
 from geolimit.store.scripts import load_script
 
-__all__ = ["HEARD_TTL_MS", "SharedHeard"]
+__all__ = ["HEARD_MARGIN", "HEARD_TTL_MS", "SharedHeard"]
 
 _HEARD = load_script("heard")
 #: The hash outlives the workers' silence by this long (then every peer counts as never heard).
 HEARD_TTL_MS = 3_600_000
+#: A shared time further ahead of the caller's clock than this (seconds) is not one a worker
+#: of this host wrote since: junk, or written before the clock stepped back. It is dropped:
+#: kept (the larger time wins), it would make the peer look current for as long as it stays.
+HEARD_MARGIN = 1.0
+_MAX_DIGITS = 16  # µs since 1970 until the year 2286; int() of a longer string can fail
 
 
 class SharedHeard:
@@ -31,20 +36,21 @@ class SharedHeard:
         self.store = store
         self.key = layout.tag(0) + b"#hd"
 
-    async def exchange(self, mine: Mapping[str, float | None]) -> dict[str, float]:
+    async def exchange(self, mine: Mapping[str, float | None], now: float) -> dict[str, float]:
         """Record ``mine`` (peer -> engine-clock seconds, None: never) and return the
-        latest time any worker recorded per peer of ``mine``."""
-        args = [b"1", self.key, b"%d" % HEARD_TTL_MS]
-        for peer, when in mine.items():
-            if when is not None:
-                args += [peer.encode(), b"%d" % int(when * 1_000_000)]
+        latest time any worker recorded per peer of ``mine``, up to ``now`` (the engine
+        clock) and :data:`HEARD_MARGIN`."""
+        limit = now + HEARD_MARGIN
+        peers = list(mine)
+        args = [b"1", self.key, b"%d" % HEARD_TTL_MS, b"%d" % int(limit * 1_000_000)]
+        for peer in peers:
+            when = mine[peer]
+            args += [peer.encode(), b"" if when is None else b"%d" % int(when * 1_000_000)]
         reply = await self.store.run(_HEARD, args)
-        flat = list(reply or ())
         latest: dict[str, float] = {}
-        for name, value in zip(flat[::2], flat[1::2], strict=False):
-            if not isinstance(name, bytes) or not isinstance(value, bytes) or not value.isdigit():
-                continue
-            peer = name.decode(errors="replace")
-            if peer in mine:
-                latest[peer] = int(value) / 1e6
+        for peer, value in zip(peers, list(reply or ()), strict=False):
+            if isinstance(value, bytes) and len(value) <= _MAX_DIGITS and value.isdigit():
+                when = int(value) / 1e6
+                if when <= limit:
+                    latest[peer] = when
         return latest

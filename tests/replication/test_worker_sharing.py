@@ -19,6 +19,8 @@ import pytest
 from geolimit import ManualClock, Rule
 from geolimit.core.keys import KeyLayout
 from geolimit.replication.ae_requests import MAX_REQUESTS, REQUEST_TTL_MS, AntiEntropyRequests
+from geolimit.replication.heard import _HEARD as HEARD_SCRIPT
+from geolimit.replication.heard import HEARD_MARGIN, HEARD_TTL_MS, SharedHeard
 from geolimit.server.agent import Agent
 from geolimit.store.connect import open_async_store, open_sync_store
 from geolimit.store.embedded import EmbeddedRedis
@@ -165,6 +167,53 @@ async def test_requests_are_merged_per_peer_bounded_expire_and_junk_is_dropped(r
         assert set(await requests.take([f"p{i}" for i in range(MAX_REQUESTS + 50)])) == {
             f"p{i}" for i in range(50, MAX_REQUESTS + 50)
         }
+    finally:
+        await store.close()
+        client.close()
+
+
+async def test_junk_in_the_shared_keys_is_dropped_not_raised_nor_kept(request_url: str) -> None:
+    """Junk in the region's shared keys, as found with real agents: a 400-digit time in the
+    heard hash failed every gossip round of every worker (OverflowError; 5000 digits:
+    ValueError), a time in the future made b look current after it was gone, a key of
+    another type stopped the sharing for good (a worker no peer sends to then denied
+    ``closed`` rules with b healthy), and 200k junk fields came back to every worker every
+    round. Each is now dropped, and the caller's own time is kept."""
+    store = open_async_store(request_url)
+    client = open_sync_store(request_url)
+    raw = client.client()
+    heard = SharedHeard(store, LAYOUT)
+    requests = AntiEntropyRequests(store, LAYOUT)
+    now = 1_800_000_000.0
+    try:
+        for junk in (b"notanumber", b"-5", b"1e15", b"9" * 400, b"9" * 5000, b"%d" % ((now + 3600) * 1e6)):
+            raw.delete(heard.key)
+            raw.hset(heard.key, mapping={b"b": junk, b"c": junk})
+            assert await heard.exchange({"b": now - 1.0, "c": None}, now) == {"b": now - 1.0}, junk
+            assert raw.hget(heard.key, b"b") == b"%d" % ((now - 1.0) * 1e6)
+            assert not raw.hexists(heard.key, b"c")  # junk with nothing to replace it goes
+        assert await heard.exchange({"b": None, "c": None}, now) == {"b": now - 1.0}  # kept, and read by all
+        assert await heard.exchange({"b": now - 5.0}, now) == {"b": now - 1.0}  # the larger wins
+        assert await heard.exchange({"b": None}, now - 1.0 - HEARD_MARGIN - 0.5) == {}  # ahead of this clock
+        raw.hset(heard.key, mapping={f"junk{i}": "x" for i in range(1000)})
+        reply = await store.run(HEARD_SCRIPT, [b"1", heard.key, b"1000", b"%d" % (now * 1e6), b"b", b""])
+        assert len(reply) == 1  # only the peers asked for, not the whole hash
+        for wrong in (lambda k: raw.set(k, b"x"), lambda k: raw.rpush(k, b"x"), lambda k: raw.hset(k, b"x", b"y")):
+            for key in (heard.key, LAYOUT.ae_requests_key):
+                raw.delete(key)
+                wrong(key)
+            if raw.type(heard.key) != b"hash":
+                assert await heard.exchange({"b": now}, now) == {"b": now}
+                assert raw.type(heard.key) == b"hash"
+                assert 0 < raw.pttl(heard.key) <= HEARD_TTL_MS
+            if raw.type(LAYOUT.ae_requests_key) != b"list":
+                assert await requests.take(["b"]) == {}
+                raw.set(LAYOUT.ae_requests_key, b"x")
+                await requests.post({"b": True}, now)
+                assert {p: (r.after_wipe, r.posted) for p, r in (await requests.take(["b"])).items()} == {
+                    "b": (True, now)}
+        raw.rpush(LAYOUT.ae_requests_key, b"n:" + b"9" * 400 + b":b", b"w:" + b"9" * 5000 + b":b", b"n:12:b")
+        assert {p: r.posted for p, r in (await requests.take(["b"])).items()} == {"b": 12e-6}
     finally:
         await store.close()
         client.close()

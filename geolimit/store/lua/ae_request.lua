@@ -6,7 +6,10 @@
 --       'take', max_entries                     -> up to max_entries entries, oldest first,
 --         removed in the same call: a request is taken once, by one initiator.
 -- Entries are '<flag>:<posted, µs>:<peer>' (geolimit/replication/ae_requests.py).
+-- A key of another type is junk: it goes (kept, no request would ever pass again).
 local key, op = KEYS[1], ARGV[1]
+local kind = call('TYPE', key)['ok']
+if kind ~= 'list' and kind ~= 'none' then call('DEL', key) end
 if op == 'push' then
   call('RPUSH', key, unpack(ARGV, 4))
   call('LTRIM', key, -tonumber(ARGV[3]), -1)
