@@ -160,6 +160,8 @@ def _allowed(decision: Decision, one: OneCall) -> Verdict:
 
 
 _Call = Callable[[str | list[str], str, int], Awaitable[Decision]]
+_MATCH_CACHE = 1024  # (method, path) pairs whose match Guard.match keeps (all forgotten when full)
+_MATCH_CACHED_PATH = 1024  # longer paths are matched every time
 _ONE_REQUEST = QuotaUnit()
 
 
@@ -213,6 +215,7 @@ class Guard:
         self.counters: dict[tuple[str, str], int] = {}  # (rule, outcome) -> count
         #: The policies one hit decides (id() -> plan): see :meth:`one_call`.
         self._one_call: dict[int, OneCall] = {}
+        self._matched: dict[tuple[str, str], tuple[RoutePolicy, dict[str, str]] | None] = {}  # see match()
         for policy in self.policies:
             one = OneCall.of(policy)
             if one is not None:
@@ -248,11 +251,24 @@ class Guard:
         return verdict
 
     def match(self, request: RequestInfo) -> tuple[RoutePolicy, dict[str, str]] | None:
+        """The first policy whose route matches, with the route's parameters (kept by method and path:
+        the same answer, parameters included, for the next request of that path; do not change them)."""
+        key = (request.method, request.path)
+        try:
+            return self._matched[key]
+        except KeyError:
+            pass
+        found = None
         for policy in self.policies:
             params = policy.route.match(request.method, request.path)
             if params is not None:
-                return policy, params
-        return None
+                found = policy, params
+                break
+        if len(request.path) <= _MATCH_CACHED_PATH:
+            if len(self._matched) >= _MATCH_CACHE:
+                self._matched.clear()
+            self._matched[key] = found
+        return found
 
     def _count(self, rule: str, outcome: str) -> None:
         self.counters[(rule, outcome)] = self.counters.get((rule, outcome), 0) + 1

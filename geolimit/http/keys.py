@@ -102,17 +102,22 @@ def _trusted(addr: ipaddress.IPv4Address | ipaddress.IPv6Address, trusted: Seque
 
 
 @functools.lru_cache(maxsize=4096)
-def _text(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
-    return str(addr)
+def _peer_text(text: str) -> str:
+    """The address that a peer's text names, written as ``str()`` writes it (cached by the text: an
+    address object's hash is computed in Python every time)."""
+    return str(_address(text))
 
 
 def client_address(request: RequestInfo, trusted: Sequence[Network]) -> str:
     """The client's address (see the module docstring); ``unknown`` if none can be read."""
-    peer = _address(request.peer) if request.peer else None
+    text = request.peer
+    if not text:
+        return "unknown"
+    peer = _address(text)
     if peer is None:
-        return request.peer or "unknown"
+        return text
     if not _trusted(peer, trusted):
-        return _text(peer)
+        return _peer_text(text)
     forwarded = request.header("forwarded")
     chain = parse_forwarded([forwarded]) if forwarded else []
     if not chain:

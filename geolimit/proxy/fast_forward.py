@@ -14,7 +14,7 @@ whole and sent with the head in one write; others stream with flow control.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from aiohttp.http import SERVER_SOFTWARE
 
@@ -183,7 +183,12 @@ class FastForwarder:
         state = self.forwarder.state
         metrics.in_flight += 1
         try:
-            info = RequestInfo(req.method, req.path, req.headers, client.peer, req.content_length)
+            peer = client.peer
+            info = cast(RequestInfo | None, req.infos.get(peer))
+            if info is None:
+                if len(req.infos) >= 16:
+                    req.infos.clear()
+                info = req.infos[peer] = RequestInfo(req.method, req.path, req.headers, peer, req.content_length)
             route, local, extra = await decide(state, metrics, info)
             if local is not None:
                 status = client.send_local(local, req)
@@ -205,15 +210,16 @@ class FastForwarder:
             fresh = False
             while True:
                 try:
-                    conn = await (self.pool.connect(up, config.connect_timeout) if fresh
-                                  else self.pool.acquire(up, config.connect_timeout))
+                    conn = None if fresh else self.pool.idle(up)
+                    if conn is None:
+                        conn = await self.pool.connect(up, config.connect_timeout)
                 except (asyncio.TimeoutError, OSError) as exc:
                     retrying = attempt + 1 < len(candidates)
                     self._count_unreachable(up, exc, retrying)
                     if retrying:
                         break
                     return client.send_local(self._unreachable(exc, req, extra), req)
-                loop = asyncio.get_running_loop()
+                loop = client._loop
                 started = loop.time()
                 try:
                     head = await conn.exchange(data, req.method, config.timeout)

@@ -133,7 +133,7 @@ class FastProtocol(LazyDeadline, asyncio.Protocol):
             self._hand_off()
             return
         length = req.content_length or 0
-        if length > self.server.body_limit():
+        if length and length > self.server.body_limit():
             self._hand_off()
             return
         need = end + 4 + length

@@ -327,7 +327,13 @@ class UpstreamPool:
 
     async def acquire(self, up: Upstream, connect_timeout: float) -> UpstreamConnection:
         """A pooled connection, or a new one (OSError, or TimeoutError after ``connect_timeout``)."""
+        return self.idle(up) or await self.connect(up, connect_timeout)
+
+    def idle(self, up: Upstream) -> UpstreamConnection | None:
+        """A pooled connection (the most recently used that is still good), or None."""
         idle = self._idle.get(up.base)
+        if not idle:
+            return None
         now = time.monotonic()
         while idle:
             conn = idle.pop()
@@ -335,7 +341,7 @@ class UpstreamPool:
                 conn.reused = True
                 return conn
             conn.abort()
-        return await self.connect(up, connect_timeout)
+        return None
 
     async def connect(self, up: Upstream, connect_timeout: float) -> UpstreamConnection:
         address = self._addresses.get(up.base)

@@ -68,6 +68,8 @@ class FastRequest:
     #: bytes (see :func:`request_head`): ``peer -> (trusted networks, upstream head parts)``.
     memo: dict[str | None, tuple[object, str, str | None, str]] = field(default_factory=dict, repr=False,
                                                                        compare=False)
+    #: ``peer -> `` the request's :class:`~geolimit.http.keys.RequestInfo` (frozen, so shared too).
+    infos: dict[str | None, object] = field(default_factory=dict, repr=False, compare=False)
 
     def values(self, lower: str) -> list[str]:
         """Every value of a header (``lower``: its name in lower case)."""

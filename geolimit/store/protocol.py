@@ -134,8 +134,24 @@ class RequestBuilder:
     def __init__(self, layout: KeyLayout) -> None:
         self.layout = layout
         self._aux: dict[int, tuple[tuple[bytes, bytes, bytes], bytes]] = {}
+        #: One-rule requests built lately, by (subject, cost, consume), with their plan (a busy subject
+        #: asks again and again; a HitRequest is never changed, so it is shared).
+        self._built: dict[tuple[bytes, int, bool], tuple[RulePlan, HitRequest]] = {}
 
     def build(self, plans: Sequence[RulePlan], subject: bytes, cost: int, consume: bool) -> HitRequest:
+        if len(plans) == 1:
+            key = (subject, cost, consume)
+            built = self._built.get(key)
+            if built is not None and built[0] is plans[0]:
+                return built[1]
+            request = self._build(plans, subject, cost, consume)
+            if len(self._built) >= 1024:
+                self._built.clear()
+            self._built[key] = (plans[0], request)
+            return request
+        return self._build(plans, subject, cost, consume)
+
+    def _build(self, plans: Sequence[RulePlan], subject: bytes, cost: int, consume: bool) -> HitRequest:
         layout = self.layout
         shard = zlib.crc32(subject) % layout.shards
         aux = self._aux.get(shard)
