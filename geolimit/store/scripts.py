@@ -49,8 +49,8 @@ class FunctionLibrary:
 #: Scripts that need the replication prelude (``outbox.lua``: outbox entries) instead of ``escrow.lua``.
 _OUTBOX_SCRIPTS = frozenset({"drain", "pack", "settle", "merge", "unpark", "reclaim"})
 #: The scripts of the function library, in order: common.lua's first, then outbox.lua's.
-LIBRARY_SCRIPTS = ("hit", "reset", "replay", "prune", "escrow_drain", "escrow_give", "escrow_merge", "drain", "pack", "settle",
-                   "merge", "unpark", "reclaim")
+LIBRARY_SCRIPTS = ("hit", "reset", "replay", "prune", "escrow_drain", "escrow_give", "escrow_merge", "heard", "drain",
+                   "pack", "settle", "merge", "unpark", "reclaim")
 #: Top-level locals of the preludes that hold state of one call, and their initial value.
 _PRELUDE_STATE = {"now_ms_cache": "nil"}
 #: Top-level locals of the preludes that are set once and never change.
