@@ -136,14 +136,16 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
         client.close()
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def fresh_shared_redis(request: pytest.FixtureRequest) -> None:
-    """For an autouse fixture of a folder whose tests use the session's shared Redis
-    (``redis_url``) without ``redis_client``: flush it before each such test. Another
-    test may have left its region's name there (``test_slot_reclaim`` leaves 'r'), and a
-    limiter or proxy of another region refuses that Redis. Not for folders with
-    module-scoped fixtures on ``redis_url`` (this would wipe their state)."""
-    if "redis_url" in request.fixturenames:
+    """Each test that uses the session's shared Redis (``redis_url``) starts on an empty one.
+
+    Another test may have left its region's name there (``test_slot_reclaim`` leaves
+    'r'), and a limiter, agent or proxy of another region refuses that Redis: in CI's
+    order, under xdist, that failed tests that pass alone. A module whose module-scoped
+    fixtures keep state on ``redis_url`` sets ``KEEPS_SHARED_REDIS = True`` (and flushes
+    it itself once)."""
+    if "redis_url" in request.fixturenames and not getattr(request.module, "KEEPS_SHARED_REDIS", False):
         request.getfixturevalue("redis_client")
 
 

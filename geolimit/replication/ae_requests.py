@@ -5,7 +5,7 @@ With ``geolimit agent --workers N`` only worker 0 starts anti-entropy exchanges
 finds that Redis lost the data of shards it owns (a Redis Cluster node that lost
 only those), a peer reports a link down to it, a peer refuses its batch, or a
 peer answers it again after failures. Such a worker leaves a request in the
-region's Redis (``ae_request.lua``: a list on shard 0's tag, bounded and with a
+region's Redis (``repair_request.lua``: a list on shard 0's tag, bounded and with a
 TTL), and worker 0 takes the requests at its next round and starts the
 exchanges as if it had learned it itself. Before, only worker 0's own findings
 started one, and the others' waited for the next periodic exchange.
@@ -22,7 +22,7 @@ from geolimit.store.scripts import load_script
 
 __all__ = ["MAX_REQUESTS", "REQUEST_TTL_MS", "AntiEntropyRequests", "Request"]
 
-_AE_REQUEST = load_script("ae_request")
+_AE_REQUEST = load_script("repair_request")
 #: Requests kept (the oldest go first) and taken per round: more than any region has peers.
 MAX_REQUESTS = 256
 #: Requests not taken within this long (worker 0 is down that long) expire with the list:

@@ -49,7 +49,7 @@ class FunctionLibrary:
 #: Scripts that need the replication prelude (``outbox.lua``: outbox entries) instead of ``escrow.lua``.
 _OUTBOX_SCRIPTS = frozenset({"drain", "pack", "settle", "merge", "unpark", "reclaim"})
 #: The scripts of the function library, in order: common.lua's first, then outbox.lua's.
-LIBRARY_SCRIPTS = ("hit", "reset", "replay", "prune", "escrow_drain", "escrow_give", "escrow_merge", "heard", "drain",
+LIBRARY_SCRIPTS = ("hit", "reset", "replay", "prune", "escrow_drain", "escrow_give", "escrow_merge", "heard", "repair_request", "drain",
                    "pack", "settle", "merge", "unpark", "reclaim")
 #: Top-level locals of the preludes that hold state of one call, and their initial value.
 _PRELUDE_STATE = {"now_ms_cache": "nil"}

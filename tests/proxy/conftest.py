@@ -12,11 +12,6 @@ from geolimit.proxy import Proxy, parse_proxy_config
 from tests.proxy.helpers import StartProxy, Upstream
 
 
-@pytest.fixture(autouse=True)
-def _fresh(fresh_shared_redis: None) -> None:
-    """Proxies here run on the shared Redis: start each test on an empty one (tests/conftest.py)."""
-
-
 @pytest.fixture
 async def upstream() -> AsyncIterator[Upstream]:
     server = await Upstream().start()

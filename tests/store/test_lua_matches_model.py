@@ -43,6 +43,9 @@ operation = st.one_of(
 )
 
 
+KEEPS_SHARED_REDIS = True  # the module's limiter keeps its state there (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
 def limiter(redis_url: str) -> Iterator[tuple[Limiter, ManualClock]]:
     with redis.Redis.from_url(redis_url) as client:

@@ -1,4 +1,4 @@
--- ae_request: anti-entropy requests that agent workers leave for their region's
+-- repair_request: anti-entropy requests that agent workers leave for their region's
 -- initiator (worker 0, the only worker that starts exchanges; geolimit/server/workers.py).
 -- KEYS: the request list (one per region, on shard 0's tag).
 -- ARGV: 'push', ttl_ms, max_entries, entries... -> the list's length. The oldest entries
