@@ -90,7 +90,9 @@ def _sample(agent: Agent, name: str, **labels: str) -> float:
 async def test_half_sent_heads_are_closed_at_the_deadline_while_checks_are_answered(
     start_agent: StartAgent, api_listen: tuple[str, int] | None,
 ) -> None:
-    agent = await start_agent(head_timeout=0.5, api_listen=api_listen)
+    # 2 s, not less: on a loaded machine (CI beside other work, load average 9) the loop read
+    # a half-sent head's bytes only after a 0.5 s deadline, and closed it as a silent one.
+    agent = await start_agent(head_timeout=2.0, api_listen=api_listen)
     label = "listen" if api_listen is None else "api_listen"
     half = [await _connect(agent.api_url, b"GET /v1/sta") for _ in range(30)]
     silent = [await _connect(agent.api_url) for _ in range(10)]
@@ -111,11 +113,11 @@ async def test_half_sent_heads_are_closed_at_the_deadline_while_checks_are_answe
     trickling.cancel()
     for data, seconds in closed[:30] + closed[-1:]:
         assert data.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), data[:100]
-        assert b"request head not received within 0.5 s" in data
-        assert 0.45 < seconds < 5, seconds
+        assert b"request head not received within 2 s" in data
+        assert 1.9 < seconds < 10, seconds
     for data, seconds in closed[30:40]:  # nothing sent: closed without an answer
         assert data == b""
-        assert 0.45 < seconds < 5, seconds
+        assert 1.9 < seconds < 10, seconds
     await eventually(lambda: _sample(agent, "geolimit_http_connections_open", listener=label) == 0,
                      what="every connection closed")
     assert _sample(agent, "geolimit_http_connections_dropped_total", listener=label, reason="head_timeout") == 41
