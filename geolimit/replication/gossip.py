@@ -87,7 +87,7 @@ class GossipEngine(Sender):
         self._reclaim_at = 0.0  # when (engine clock) the next page is due
         self.repair = AntiEntropyDriver(self)
         self.heard = SharedHeard(store.store, store.layout)  # with several workers (heard.py)
-        self.sharing_error: str | None = None  # why the workers' shared state is out of reach
+        self.sharing_errors: dict[str, str] = {}  # what of the workers' shared state is out of reach, and why
 
     # -- rounds ---------------------------------------------------------------
 
@@ -142,23 +142,27 @@ class GossipEngine(Sender):
         try:
             latest = await self.heard.exchange({p.name: p.last_heard for p in self.peers.values()}, self.clock())
         except StorageError as exc:
-            self.note_sharing(str(exc))
+            self.note_sharing("freshness", str(exc))
             return
-        self.note_sharing(None)
+        self.note_sharing("freshness", None)
         for name, when in latest.items():
             peer = self.peers[name]
             if peer.last_heard is None or when > peer.last_heard:
                 peer.last_heard = when
 
-    def note_sharing(self, error: str | None) -> None:
-        """The workers' shared state (shard 0's node) out of reach (``error``) or back (None).
-        Gossip goes on meanwhile, on what this worker learns by itself."""
-        if error is not None and self.sharing_error is None:
-            log.warning("region %s: cannot share peers' freshness and anti-entropy requests with the other "
-                        "workers (gossip goes on): %s", self.region, error)
-        elif error is None and self.sharing_error is not None:
-            log.info("region %s: sharing with the other workers again", self.region)
-        self.sharing_error = error
+    def note_sharing(self, what: str, error: str | None) -> None:
+        """``what`` of the workers' shared state (``freshness``, ``requests``; shard 0's node)
+        out of reach (``error``) or back (None): one line when that changes. Gossip goes on
+        meanwhile, on what this worker learns by itself."""
+        had = self.sharing_errors.get(what)
+        if error is not None and had is None:
+            log.warning("region %s: cannot share peers' %s with the other workers (gossip goes on): %s",
+                        self.region, "freshness" if what == "freshness" else "anti-entropy requests", error)
+            self.sharing_errors[what] = error
+        elif error is None and had is not None:
+            log.info("region %s: sharing peers' %s with the other workers again", self.region,
+                     "freshness" if what == "freshness" else "anti-entropy requests")
+            del self.sharing_errors[what]
 
     def _note_failed_shards(self, failed: dict[int, str]) -> None:
         """Shards whose Redis (a Cluster node) failed this round: the others' gossip goes on."""

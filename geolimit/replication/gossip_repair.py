@@ -80,8 +80,9 @@ class AntiEntropyDriver:
             try:
                 taken = await self.requests.take(peers)
             except StorageError as exc:
-                engine.note_sharing(str(exc))
+                engine.note_sharing("requests", str(exc))
                 return
+            engine.note_sharing("requests", None)
             for name, request in taken.items():
                 peer = peers[name]
                 # An exchange that was asked for (not a periodic one, which skips the latest
@@ -103,9 +104,10 @@ class AntiEntropyDriver:
                 peers[name].ae_after_wipe = peers[name].ae_after_wipe or after_wipe
             if not isinstance(exc, StorageError):
                 raise
-            engine.note_sharing(str(exc))
+            engine.note_sharing("requests", str(exc))
             return
         if wanted:
+            engine.note_sharing("requests", None)
             log.info("region %s: asked the region's first worker for anti-entropy with %s",
                      engine.region, ", ".join(sorted(wanted)))
 
@@ -190,6 +192,11 @@ class AntiEntropyDriver:
         stats["ae_keys_repaired"] += result.keys_differing
         peer.ae_ok += 1
         peer.ae_failures = 0
+        if not periodic and not result.truncated and peer.ae_asked_at is not None:
+            # An exchange that compared every bucket brought the peer's counts as of its
+            # start: they are that fresh here even before its first delta arrives (a region
+            # that just started, or a peer whose deltas cannot reach us).
+            peer.last_heard = max(peer.last_heard or 0.0, peer.ae_asked_at)
         peer.ae_last_error = None
         wait = periodic_wait(engine.settings.anti_entropy_interval, result.seconds)
         peer.ae_due = engine.clock() + wait * engine.rng.uniform(0.8, 1.2)

@@ -48,3 +48,27 @@ async def test_a_peer_that_only_answers_is_partitioned_after_partition_after(pai
     rs["a"].agent.set_peer_url("b", rs.urls["b"])
     await rs.step(10)
     assert b.hit("closed", "user:1").allowed
+
+
+async def test_a_complete_exchange_makes_a_peer_current_until_its_deltas_would_be_late(
+    redis_server_factory: Factory,
+) -> None:
+    """A region that just started has had no delta from b yet, but its first anti-entropy
+    exchange with b compared every bucket: b's counts are as fresh as that exchange's
+    start, so a closed rule allows at once (it denied until b's first delta before). Here
+    b's deltas cannot reach a at all, so once that freshness is partition_after old, a denies."""
+    async with Regions(redis_server_factory, ["a", "b"], [CLOSED], run_loops=False,
+                       clock=ManualClock(time.time())) as rs:
+        rs["b"].agent.set_peer_url("a", dead_url())  # b -> a fails from the start
+        engine = rs["a"].agent.engine
+        a = rs["a"].app()
+        for _ in range(50):  # a's start-up exchange with b runs in the background of a's rounds
+            await rs.step(1, ["a", "b"])
+            if engine is not None and engine.peers["b"].ae_ok:
+                break
+        assert engine is not None
+        assert engine.peers["b"].ae_ok == 1
+        await rs.step(1, ["a"])  # a's next round publishes b's freshness
+        assert a.hit("closed", "user:1").allowed
+        await rs.step(20)  # 2 s without a delta from b
+        assert not a.hit("closed", "user:1").allowed

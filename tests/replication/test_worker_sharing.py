@@ -10,6 +10,7 @@ Real agents and real redis-servers on loopback, stepped by hand under a manual c
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -217,3 +218,21 @@ async def test_junk_in_the_shared_keys_is_dropped_not_raised_nor_kept(request_ur
     finally:
         await store.close()
         client.close()
+
+
+async def test_one_part_of_the_shared_state_failing_is_logged_once(
+    two_workers: TwoWorkers, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each round reaches the freshness hash, then fails on the request list: one warning
+    (it used to flip between failing and back, a warning every round), one line when back."""
+    engine = two_workers.workers[0].engine
+    assert engine is not None
+    caplog.set_level(logging.INFO, logger="geolimit.gossip")
+    for _ in range(10):
+        engine.note_sharing("freshness", None)
+        engine.note_sharing("requests", "WRONGTYPE")
+    engine.note_sharing("requests", None)
+    lines = [r.getMessage() for r in caplog.records if "share" in r.getMessage() or "sharing" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "cannot share peers' anti-entropy requests" in lines[0]
+    assert "again" in lines[1]
