@@ -17,8 +17,9 @@ Connections count against the listener's cap (``max_connections``: the
 to aiohttp): one over it is closed at its accept.
 
 Timeouts of the client side: a request head (and its small body) must arrive within
-:data:`HEAD_TIMEOUT` seconds of its first byte (else 408 and the connection is
-closed: a slow sender cannot hold a connection forever), and a new connection's first
+:data:`HEAD_TIMEOUT` seconds of its first byte, plus one second per
+:data:`~geolimit.proxy.handler.BODY_RATE` bytes of the body received (else 408 and the
+connection is closed: a slow sender cannot hold a connection forever), and a new connection's first
 byte within :data:`HEAD_TIMEOUT` of its accept (else it is closed); an idle keep-alive
 connection is closed after :data:`KEEPALIVE_TIMEOUT` seconds (75, as the aiohttp listeners).
 """
@@ -44,6 +45,7 @@ from geolimit.proxy.fast_wire import (
     serialize_head,
     status_phrase,
 )
+from geolimit.proxy.handler import BODY_RATE
 
 __all__ = ["HEAD_TIMEOUT", "KEEPALIVE_TIMEOUT", "MAX_HEAD", "FastProtocol", "FastServer"]
 
@@ -67,6 +69,7 @@ class FastProtocol(LazyDeadline, asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0  # 0: none (a request is being served)
         self._head_timer = False  # the deadline is a partial request's, not an idle connection's
+        self._partial_since = 0.0  # when the partial request's first byte came (its deadline's start)
         self._paused = False
         self._close_after = False
         self._counted = False  # holds a place under the listener's cap
@@ -139,6 +142,12 @@ class FastProtocol(LazyDeadline, asyncio.Protocol):
         need = end + 4 + length
         if len(buf) < need:
             self._partial()
+            # The body's bytes buy time, as on aiohttp's path ([proxy] body_timeout's credit):
+            # one second per BODY_RATE bytes received, so a slow but steady upload of a small
+            # body is not cut off while a trickle still is.
+            credit = (len(buf) - end - 4) // BODY_RATE
+            if credit:
+                self._deadline = max(self._deadline, self._partial_since + HEAD_TIMEOUT + credit)
             return
         body = buf[end + 4:need]
         self._buf = buf[need:]
@@ -208,6 +217,7 @@ class FastProtocol(LazyDeadline, asyncio.Protocol):
     def _partial(self) -> None:
         if not self._head_timer:
             self._head_timer = True
+            self._partial_since = self._loop.time()
             self._arm(HEAD_TIMEOUT)
 
     def _timed_out(self) -> None:

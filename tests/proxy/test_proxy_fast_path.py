@@ -371,3 +371,26 @@ async def test_a_client_leaving_mid_stream_frees_its_upstream_connection(
     await eventually(lambda: proxy.metrics.in_flight == 0, timeout=5, what="the exchange to be dropped")
     async with aiohttp.ClientSession() as session, session.get(proxy.url + "/download/10") as resp:
         assert (resp.status, len(await resp.read())) == (200, 10)
+
+
+async def test_a_small_body_sent_slowly_but_steadily_is_not_cut_off(
+    upstream: Upstream, redis_url: str, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A body the fast path reads itself (up to 64 KiB) earns a second per KiB received, as
+    on aiohttp's path: 16 KiB at 8 KiB/s takes 2 s through a 0.5 s deadline. It got 408 at
+    0.5 s before (with the default 30 s: any small upload slower than about 2 KiB/s)."""
+    monkeypatch.setattr(fast_server, "HEAD_TIMEOUT", 0.5)
+    proxy = await start_proxy(config([upstream.url], redis_url))
+    host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /upload HTTP/1.1\r\nHost: t\r\nContent-Length: 16384\r\n\r\n")
+        for _ in range(16):
+            writer.write(b"x" * 1024)
+            await writer.drain()
+            await asyncio.sleep(0.125)
+        response = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    finally:
+        writer.close()
+    assert statuses(response) == [200], response[:200]
+    assert (upstream.seen[-1].target, upstream.seen[-1].body) == ("/upload", 16384)
