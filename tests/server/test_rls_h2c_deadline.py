@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -142,5 +143,36 @@ async def test_a_reset_request_gives_its_bytes_back_to_the_connection(
         await round_trip(raw, b"held....")  # over 100 KB with the first: RESOURCE_EXHAUSTED before the ACK
         raw.send(frame(FrameType.DATA, END_STREAM, sid, b""))
         assert (await raw.answer(sid)).status == OK_STATUS
+    finally:
+        await raw.close()
+
+
+async def test_a_reload_changes_the_deadline_of_later_requests_not_of_open_ones(
+    start_agent: StartAgent, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request keeps the deadline it was given at its HEADERS, and its answer names that
+    one: after a reload to 2 s, a request opened under 5 s was answered "within 2 s" (at 5 s)."""
+    clock = FakeClock()
+    monkeypatch.setattr(h2c, "CLOCK", clock)
+    agent = await start_agent(**rls_options(tmp_path, EDGE), rls_request_timeout=5.0)
+    raw = await Raw.connect(agent.rls_address)
+    try:
+        before = unfinished(raw)
+        await round_trip(raw, b"ping-one")
+        agent.config = replace(agent.config, rls_request_timeout=2.0)  # what SIGHUP's reload does
+        after = unfinished(raw)
+        await round_trip(raw, b"ping-two")
+        clock.now += 2.1
+        raw.send(frame(FrameType.PING, 0, 0, b"ping-3.."))
+        answer = await raw.answer(after)
+        assert answer.status == DEADLINE_EXCEEDED
+        assert ("grpc-message", "request not complete within 2 s") in answer.headers
+        await round_trip(raw, b"ping-4..")
+        assert before not in raw.ended, "still within its 5 s"
+        clock.now += 3.0
+        raw.send(frame(FrameType.PING, 0, 0, b"ping-5.."))
+        answer = await raw.answer(before)
+        assert answer.status == DEADLINE_EXCEEDED
+        assert ("grpc-message", "request not complete within 5 s") in answer.headers
     finally:
         await raw.close()

@@ -137,7 +137,8 @@ class Timers(Answering):
     def _opened(self, stream: Stream) -> None:
         """A request not complete with its HEADERS: it has until its deadline to end its stream."""
         now = self._deadline.clock()
-        stream.due = now + self._deadline.seconds()
+        stream.allowed = self._deadline.seconds()
+        stream.due = now + stream.allowed
         if stream.due < self._next_due:
             self._next_due = stream.due
             self._arm(now)
@@ -161,13 +162,14 @@ class Timers(Answering):
                 self._expire(now)
 
     def _expire(self, now: float) -> None:
-        late = [sid for sid, stream in self._streams.items() if not stream.ended and stream.due <= now]
+        late = [(sid, stream.allowed) for sid, stream in self._streams.items() if not stream.ended and stream.due <= now]
         if late:
-            seconds = self._deadline.seconds()
-            for sid in late:
-                self.fail(sid, _DEADLINE_EXCEEDED, f"request not complete within {seconds:g} s")
+            # Each stream's own deadline: a reload that changed rls_request_timeout since its
+            # HEADERS does not change what it was given (nor what its answer says).
+            for sid, allowed in late:
+                self.fail(sid, _DEADLINE_EXCEEDED, f"request not complete within {allowed:g} s")
             peer = self.transport.get_extra_info("peername") if self.transport is not None else None
-            self._deadline.reset(len(late), seconds, peer)
+            self._deadline.reset(len(late), max(allowed for _, allowed in late), peer)
         self._next_due = min((s.due for s in self._streams.values() if not s.ended), default=math.inf)
         if self._next_due < math.inf and not self.closed:
             self._arm(now)

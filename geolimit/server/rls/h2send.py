@@ -25,7 +25,7 @@ class Limits:
 
 
 class Stream:
-    __slots__ = ("body", "due", "ended", "handed", "pending", "recv_window", "send_window", "trailers")
+    __slots__ = ("allowed", "body", "due", "ended", "handed", "pending", "recv_window", "send_window", "trailers")
 
     def __init__(self, send_window: int, recv_window: int) -> None:
         self.body: bytes | bytearray = b""
@@ -36,6 +36,7 @@ class Stream:
         self.pending = b""  # DATA payload waiting for the peer's windows
         self.trailers = b""  # the trailers block to send after ``pending``
         self.due = math.inf  # when an unfinished request must have ended its stream (loop-independent clock)
+        self.allowed = 0.0  # the seconds it was given then (rls_request_timeout as of its HEADERS)
 
 
 class Answering:
