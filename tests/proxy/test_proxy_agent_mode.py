@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,10 @@ from geolimit.server.config import AgentConfig, parse_config
 from geolimit.store.embedded import EmbeddedRedis
 from tests.proxy.helpers import StartProxy, Upstream, proxy_config
 from tests.server.helpers import region_config
+from tests.support.agent_fixtures import agents
 from tests.support.regions import dead_url, eventually
+
+__all__ = ["agents"]  # fixtures
 
 ROUTES = [{"path": "/multi", "limits": [{"rule": "multi", "on_error": "deny"}]},
           {"path": "/api/*", "limits": [{"rule": "api"}]}]
@@ -41,16 +44,6 @@ def agent_config(tmp_path: Path, redis_server_factory: Callable[..., EmbeddedRed
     data = region_config(redis_server_factory().url, peers=[{"name": "b", "url": dead_url()}], rules=[
         {"name": "api", "limit": "5/60s"}, {"name": "multi", "limit": "4/hour;2/minute"}])
     return parse_config(data, tmp_path / "region.toml")
-
-
-@pytest.fixture
-async def agents() -> AsyncIterator[list[Agent]]:
-    started: list[Agent] = []
-    try:
-        yield started
-    finally:
-        for agent in started:
-            await agent.abort()
 
 
 async def listening(agents: list[Agent], config: AgentConfig, port: int = 0) -> Agent:

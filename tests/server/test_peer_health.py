@@ -21,7 +21,10 @@ from geolimit import Limiter, ManualClock, Rule
 from geolimit.server.agent import Agent
 from geolimit.server.config import AgentConfig, PeerConfig
 from geolimit.store.embedded import EmbeddedRedis
+from tests.support.agent_fixtures import agents
 from tests.support.regions import Regions, dead_url, eventually
+
+__all__ = ["agents"]  # fixtures
 
 Factory = Callable[..., EmbeddedRedis]
 API = Rule("api", 100, 10, 1)
@@ -44,16 +47,6 @@ async def blackhole() -> AsyncIterator[str]:
         server.close()
         for writer in held:
             writer.close()
-
-
-@pytest.fixture
-async def agents() -> AsyncIterator[list[Agent]]:
-    started: list[Agent] = []
-    try:
-        yield started
-    finally:
-        for agent in started:
-            await agent.abort()
 
 
 async def get(agent: Agent, path: str) -> tuple[int, Any]:
