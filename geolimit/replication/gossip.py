@@ -31,6 +31,7 @@ from geolimit.replication.gossip_send import Sender
 from geolimit.replication.heard import SharedHeard
 from geolimit.replication.peers import EngineSettings, PeerState
 from geolimit.replication.redis_io import MAX_WINDOW, ReplicationStore
+from geolimit.replication.takeover import FreshnessTakeover, worker_field
 from geolimit.replication.transport import Transport
 from geolimit.replication.wire import Blob
 
@@ -43,6 +44,10 @@ RECLAIM_SHARDS = 256
 RECLAIM_EVERY = 10.0
 #: Shards whose outbox for an unreachable peer is pruned each round (a page each).
 PRUNE_SHARDS = 4
+
+#: The parts of the workers' shared state (GossipEngine.note_sharing), as the log names them.
+_SHARED_PARTS = {"freshness": "peers' freshness", "requests": "peers' anti-entropy requests",
+                 "takeover": "peers' freshness for a down worker's shards"}
 
 #: Age reported for a peer never heard from (about a year).
 NEVER_HEARD_US = 365 * 86_400 * 1_000_000
@@ -88,6 +93,8 @@ class GossipEngine(Sender):
         self.repair = AntiEntropyDriver(self)
         self.heard = SharedHeard(store.store, store.layout)  # with several workers (heard.py)
         self.sharing_errors: dict[str, str] = {}  # what of the workers' shared state is out of reach, and why
+        self.takeover = FreshnessTakeover(store.store, store.layout, self.settings.worker, self.settings.workers)
+        self.worker_stamps: dict[int, float | None] = {}  # each worker's last round, as last shared
 
     # -- rounds ---------------------------------------------------------------
 
@@ -95,6 +102,7 @@ class GossipEngine(Sender):
         """One gossip round: fan local changes out to the outboxes, start sends and anti-entropy."""
         started = now = self.clock()
         await self._drain(now)  # first: it renews the lease under which apps record changes
+        await self._take_over(now)
         if not self._recovered:  # batches a previous agent left in flight go back to the outboxes
             await self.store.recover(self.settings.window)
             await self.store.parked.find()
@@ -138,30 +146,53 @@ class GossipEngine(Sender):
 
     async def _share_heard(self) -> None:
         """With several workers: a peer's deltas reach one of them; take the latest time any
-        worker heard from each peer (heard.py), before this worker publishes their ages."""
+        worker heard from each peer (heard.py), before this worker publishes their ages. The
+        same call stamps this worker's round and reads the others' (takeover.py)."""
+        me, workers = self.settings.worker, self.settings.workers
+        mine: dict[str, float | None] = {p.name: p.last_heard for p in self.peers.values()}
+        now = self.clock()
+        for i in range(workers):
+            mine[worker_field(i)] = now if i == me else None
         try:
-            latest = await self.heard.exchange({p.name: p.last_heard for p in self.peers.values()}, self.clock())
+            latest = await self.heard.exchange(mine, now)
         except StorageError as exc:
             self.note_sharing("freshness", str(exc))
             return
         self.note_sharing("freshness", None)
+        self.worker_stamps = {i: latest.get(worker_field(i)) for i in range(workers)}
         for name, when in latest.items():
-            peer = self.peers[name]
-            if peer.last_heard is None or when > peer.last_heard:
+            peer = self.peers.get(name)
+            if peer is not None and (peer.last_heard is None or when > peer.last_heard):
                 peer.last_heard = when
+
+    async def _take_over(self, now: float) -> None:
+        """With several workers: publish the peers' freshness for the shards of workers that
+        are down, if this is the lowest-numbered one that is up (takeover.py)."""
+        if not self.settings.several_workers:
+            return
+        shards = self.takeover.orphans(self.worker_stamps, self.clock(), self.settings.interval)
+        if not shards:
+            return
+        try:
+            await self.takeover.publish(shards, self.peer_ages(now), round(self.clock_correction * 1_000_000),
+                                        self.store.clock_arg())
+        except StorageError as exc:
+            self.note_sharing("takeover", str(exc))
+            return
+        self.note_sharing("takeover", None)
 
     def note_sharing(self, what: str, error: str | None) -> None:
         """``what`` of the workers' shared state (``freshness``, ``requests``; shard 0's node)
         out of reach (``error``) or back (None): one line when that changes. Gossip goes on
         meanwhile, on what this worker learns by itself."""
         had = self.sharing_errors.get(what)
+        part = _SHARED_PARTS.get(what, what)
         if error is not None and had is None:
-            log.warning("region %s: cannot share peers' %s with the other workers (gossip goes on): %s",
-                        self.region, "freshness" if what == "freshness" else "anti-entropy requests", error)
+            log.warning("region %s: cannot share %s with the other workers (gossip goes on): %s",
+                        self.region, part, error)
             self.sharing_errors[what] = error
         elif error is None and had is not None:
-            log.info("region %s: sharing peers' %s with the other workers again", self.region,
-                     "freshness" if what == "freshness" else "anti-entropy requests")
+            log.info("region %s: sharing %s with the other workers again", self.region, part)
             del self.sharing_errors[what]
 
     def _note_failed_shards(self, failed: dict[int, str]) -> None:

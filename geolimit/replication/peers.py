@@ -33,6 +33,8 @@ class EngineSettings:
     #: Several workers per region: they share, through the region's Redis, anti-entropy requests
     #: (ae_requests.py) and when each peer's deltas last reached any of them (heard.py).
     several_workers: bool = False
+    worker: int = 0  # this worker's index, of ``workers`` (takeover.py)
+    workers: int = 1
 
 
 #: A burst's first message carries 1/RAMP_START of the message limit (PeerState.ramp_limit).

@@ -119,6 +119,7 @@ class Agent:
             cfg, self.limiter, self._transport, owned=self.owned, decision_clock=self._decision_clock,
             clock=self._clock,
             anti_entropy=self.worker_index == 0,  # one initiator per region; every worker serves exchanges
+            worker=self.worker_index,
         )
         self.escrow = escrow_replicator(cfg, self.limiter, self.signer, self.verifier, owned=self.owned,
                                         decision_clock=self._decision_clock, clock=self._clock)

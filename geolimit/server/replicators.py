@@ -36,9 +36,10 @@ def gossip_transport(cfg: AgentConfig, signer: Signer, verifier: Verifier) -> Ht
 
 def gossip_engine(
     cfg: AgentConfig, limiter: AsyncLimiter, transport: Transport, *, owned: Sequence[int], anti_entropy: bool,
-    decision_clock: Clock | None, clock: Callable[[], float],
+    decision_clock: Clock | None, clock: Callable[[], float], worker: int = 0,
 ) -> GossipEngine:
-    """The gossip engine of the shards in ``owned`` (``anti_entropy``: it also starts the exchanges)."""
+    """The gossip engine of the shards in ``owned`` (``anti_entropy``: it also starts the exchanges),
+    worker ``worker`` of ``cfg.workers``."""
     store = ReplicationStore(
         limiter.store, limiter.layout, cfg.region, limiter.rules,
         nonce=secrets.token_hex(3).encode(),
@@ -51,6 +52,7 @@ def gossip_engine(
         heartbeat=heartbeat_for(cfg.interval, cfg.rules), lease_ttl=max(15.0, 20 * cfg.interval),
         max_cells_per_message=max(1000, min(10_000, cfg.max_message_bytes // 40)), send_timeout=cfg.timeout,
         anti_entropy=anti_entropy, several_workers=cfg.workers > 1,
+        worker=worker, workers=cfg.workers,
     )
     return GossipEngine(cfg.region, [p.name for p in cfg.peers], store, transport, settings, clock)
 

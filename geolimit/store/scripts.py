@@ -47,10 +47,10 @@ class FunctionLibrary:
 
 
 #: Scripts that need the replication prelude (``outbox.lua``: outbox entries) instead of ``escrow.lua``.
-_OUTBOX_SCRIPTS = frozenset({"drain", "pack", "settle", "merge", "unpark", "reclaim"})
+_OUTBOX_SCRIPTS = frozenset({"drain", "pack", "settle", "merge", "unpark", "reclaim", "freshen"})
 #: The scripts of the function library, in order: common.lua's first, then outbox.lua's.
 LIBRARY_SCRIPTS = ("hit", "reset", "replay", "prune", "escrow_drain", "escrow_give", "escrow_merge", "heard", "repair_request", "drain",
-                   "pack", "settle", "merge", "unpark", "reclaim")
+                   "pack", "settle", "merge", "unpark", "reclaim", "freshen")
 #: Top-level locals of the preludes that hold state of one call, and their initial value.
 _PRELUDE_STATE = {"now_ms_cache": "nil"}
 #: Top-level locals of the preludes that are set once and never change.

@@ -22,6 +22,7 @@ from geolimit.core.keys import KeyLayout
 from geolimit.replication.ae_requests import MAX_REQUESTS, REQUEST_TTL_MS, AntiEntropyRequests
 from geolimit.replication.heard import _HEARD as HEARD_SCRIPT
 from geolimit.replication.heard import HEARD_MARGIN, HEARD_TTL_MS, SharedHeard
+from geolimit.replication.takeover import FreshnessTakeover
 from geolimit.server.agent import Agent
 from geolimit.store.connect import open_async_store, open_sync_store
 from geolimit.store.embedded import EmbeddedRedis
@@ -236,3 +237,41 @@ async def test_one_part_of_the_shared_state_failing_is_logged_once(
     assert len(lines) == 2, lines
     assert "cannot share peers' anti-entropy requests" in lines[0]
     assert "again" in lines[1]
+
+
+async def test_the_shards_of_a_worker_that_is_down_keep_their_peers_fresh(two_workers: TwoWorkers) -> None:
+    """Worker 1 stops (killed; its supervisor restarts it after a backoff): nobody published
+    b's freshness for its shards, so a closed rule there denied about a second later with b
+    healthy. Worker 0 now publishes it for them while worker 1's rounds are stale, and stops
+    when worker 1 is back."""
+    rs = two_workers.rs
+    first = two_workers.workers[0]
+    a = rs["a"].app()
+    theirs = owned_by(1, 2)
+    await two_workers.step(10)
+    assert a.hit("closed", theirs).allowed
+    assert isinstance(rs.clock, ManualClock)
+    for _ in range(30):  # 3 s of rounds without worker 1
+        await first.step()
+        await rs["b"].agent.step()
+        rs.clock.advance(rs.interval)
+        assert a.hit("closed", theirs).allowed
+    assert first.engine is not None
+    assert first.engine.takeover.orphans(first.engine.worker_stamps, rs.clock(), rs.interval) != []
+    await two_workers.step(3)  # worker 1 is back
+    assert first.engine.takeover.orphans(first.engine.worker_stamps, rs.clock(), rs.interval) == []
+    assert a.hit("closed", theirs).allowed
+
+
+def test_the_lowest_numbered_live_worker_publishes_for_the_down_ones() -> None:
+    layout = KeyLayout("gl", 12)
+
+    def orphans(index: int, stamps: dict[int, float | None]) -> list[int]:
+        return FreshnessTakeover(None, layout, index, 3).orphans(stamps, 100.0, 0.1)  # type: ignore[arg-type]
+
+    up = 99.9  # a round 0.1 s ago; stale after max(0.5 s, 3 rounds)
+    assert orphans(0, {0: up, 1: up, 2: up}) == []
+    assert orphans(0, {0: up, 1: 99.0, 2: up}) == [1, 4, 7, 10]  # worker 1's shards
+    assert orphans(2, {0: up, 1: 99.0, 2: up}) == []  # worker 0 does it
+    assert orphans(1, {0: None, 1: up, 2: up}) == [0, 3, 6, 9]  # worker 0 never seen: 1 does it
+    assert orphans(2, {0: 99.0, 1: 99.0, 2: up}) == [0, 1, 3, 4, 6, 7, 9, 10]
