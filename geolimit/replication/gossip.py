@@ -170,7 +170,8 @@ class GossipEngine(Sender):
         are down, if this is the lowest-numbered one that is up (takeover.py)."""
         if not self.settings.several_workers:
             return
-        shards = self.takeover.orphans(self.worker_stamps, self.clock(), self.settings.interval)
+        shards = self.takeover.orphans(self.worker_stamps, self.clock(), self.settings.interval,
+                                       self.settings.heartbeat)
         if not shards:
             return
         try:

@@ -22,7 +22,7 @@ from geolimit.core.keys import KeyLayout
 from geolimit.replication.ae_requests import MAX_REQUESTS, REQUEST_TTL_MS, AntiEntropyRequests
 from geolimit.replication.heard import _HEARD as HEARD_SCRIPT
 from geolimit.replication.heard import HEARD_MARGIN, HEARD_TTL_MS, SharedHeard
-from geolimit.replication.takeover import FreshnessTakeover
+from geolimit.replication.takeover import FreshnessTakeover, stale_after
 from geolimit.server.agent import Agent
 from geolimit.store.connect import open_async_store, open_sync_store
 from geolimit.store.embedded import EmbeddedRedis
@@ -257,9 +257,9 @@ async def test_the_shards_of_a_worker_that_is_down_keep_their_peers_fresh(two_wo
         rs.clock.advance(rs.interval)
         assert a.hit("closed", theirs).allowed
     assert first.engine is not None
-    assert first.engine.takeover.orphans(first.engine.worker_stamps, rs.clock(), rs.interval) != []
+    assert first.engine.takeover.orphans(first.engine.worker_stamps, rs.clock(), rs.interval, 0.25) != []
     await two_workers.step(3)  # worker 1 is back
-    assert first.engine.takeover.orphans(first.engine.worker_stamps, rs.clock(), rs.interval) == []
+    assert first.engine.takeover.orphans(first.engine.worker_stamps, rs.clock(), rs.interval, 0.25) == []
     assert a.hit("closed", theirs).allowed
 
 
@@ -267,9 +267,11 @@ def test_the_lowest_numbered_live_worker_publishes_for_the_down_ones() -> None:
     layout = KeyLayout("gl", 12)
 
     def orphans(index: int, stamps: dict[int, float | None]) -> list[int]:
-        return FreshnessTakeover(None, layout, index, 3).orphans(stamps, 100.0, 0.1)  # type: ignore[arg-type]
+        return FreshnessTakeover(None, layout, index, 3).orphans(stamps, 100.0, 0.1, 0.25)  # type: ignore[arg-type]
 
-    up = 99.9  # a round 0.1 s ago; stale after max(0.5 s, 3 rounds)
+    assert stale_after(0.1, 0.25) == 0.25  # the defaults: a heartbeat
+    assert stale_after(0.5, 0.5) == 1.25  # slow rounds: two and a half of them
+    up = 99.9  # a round 0.1 s ago; stale after 0.25 s
     assert orphans(0, {0: up, 1: up, 2: up}) == []
     assert orphans(0, {0: up, 1: 99.0, 2: up}) == [1, 4, 7, 10]  # worker 1's shards
     assert orphans(2, {0: up, 1: 99.0, 2: up}) == []  # worker 0 does it
