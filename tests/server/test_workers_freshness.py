@@ -25,8 +25,8 @@ import pytest
 from geolimit import AsyncLimiter, Rule
 from geolimit.core.keys import KeyLayout
 from geolimit.store.embedded import EmbeddedRedis
-from tests.server.helpers import AgentProcess, dump_toml, region_config, write_secret
-from tests.server.workers_support import Region, all_ready, free_port, get, start, statuses
+from tests.server.helpers import AgentProcess
+from tests.server.workers_support import all_ready, get, make_regions, start, statuses
 from tests.support.regions import eventually
 
 CLOSED = Rule("closed", 1_000_000, 10, 1, partition="closed", partition_after=1.0)
@@ -46,22 +46,6 @@ def subjects_of(worker: int, count: int = 6) -> list[str]:
 
 
 SUBJECTS = subjects_of(0) + subjects_of(1)
-
-
-def make_pair(tmp_path: Path, redis: dict[str, EmbeddedRedis]) -> dict[str, Region]:
-    write_secret(tmp_path / "gossip.key")
-    ports = {name: free_port() for name in redis}
-    regions = {}
-    for name, server in redis.items():
-        peers = [{"name": p, "url": f"http://127.0.0.1:{port}"} for p, port in ports.items() if p != name]
-        data = region_config(server.url, name=name, listen=f"127.0.0.1:{ports[name]}",
-                             secret_file=str(tmp_path / "gossip.key"), peers=peers, rules=TOML_RULES, interval=0.1)
-        # No periodic anti-entropy during the test; the gossip defaults otherwise.
-        data["gossip"] |= {"anti_entropy_interval": "600s", "timeout": "2s"}
-        path = tmp_path / f"{name}.toml"
-        path.write_text(dump_toml(data))
-        regions[name] = Region(name, f"http://127.0.0.1:{ports[name]}", path)
-    return regions
 
 
 @pytest.fixture
@@ -91,7 +75,9 @@ async def test_a_closed_rule_on_either_workers_shards_allows_while_b_is_healthy_
     http: aiohttp.ClientSession, limiter_a: tuple[EmbeddedRedis, AsyncLimiter],
 ) -> None:
     redis_a, limiter = limiter_a
-    regions = make_pair(tmp_path, {"a": redis_a, "b": redis_server_factory()})
+    # No periodic anti-entropy during the test; the gossip defaults otherwise.
+    regions = make_regions(tmp_path, {"a": redis_a, "b": redis_server_factory()}, {}, anti_entropy_interval="600s",
+                           rules=TOML_RULES, interval=0.1)
     a, b = regions["a"], regions["b"]
     await start(b, supervisors)
     await start(a, supervisors, "--workers", "2")

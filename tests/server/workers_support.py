@@ -9,7 +9,7 @@ import re
 import signal
 import socket
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,8 @@ def alive(pid: int) -> bool:
 
 
 def make_regions(tmp_path: Path, redis: dict[str, EmbeddedRedis], workers_in_toml: dict[str, int],
-                 anti_entropy_interval: str = "1h") -> dict[str, Region]:
+                 anti_entropy_interval: str = "1h", rules: Sequence[Mapping[str, Any]] = (RULE,),
+                 interval: float = 0.05) -> dict[str, Region]:
     """Configs of regions a and b on fixed loopback ports, peers of each other, with a fresh secret.
 
     Anti-entropy runs at start-up and then every ``anti_entropy_interval`` (by default
@@ -57,7 +58,8 @@ def make_regions(tmp_path: Path, redis: dict[str, EmbeddedRedis], workers_in_tom
     for name, server in redis.items():
         peers = [{"name": p, "url": f"http://127.0.0.1:{port}"} for p, port in ports.items() if p != name]
         data = region_config(server.url, name=name, listen=f"127.0.0.1:{ports[name]}",
-                             secret_file=str(tmp_path / "gossip.key"), peers=peers, rules=[RULE])
+                             secret_file=str(tmp_path / "gossip.key"), peers=peers, rules=rules,
+                             interval=interval)
         data["gossip"] |= {"anti_entropy_interval": anti_entropy_interval, "timeout": "2s"}
         if name in workers_in_toml:
             data["region"]["workers"] = workers_in_toml[name]
