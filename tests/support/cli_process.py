@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import signal
 import sys
@@ -28,9 +29,13 @@ class CliProcess:
 
     @classmethod
     async def start(cls: type[P], config: Path, *extra: str) -> P:
+        # The test's own temp dir: a supervisor sweeps the metrics directories that killed
+        # supervisors left in its temp dir, and one started by a test running beside this one
+        # (xdist) removed the directory this one's supervisor had just left (and asserted).
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "geolimit.cli", cls.command, "--config", str(config), *extra,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "TMPDIR": str(config.parent)},
         )
         self = cls(proc)
         self._reader = asyncio.ensure_future(self._read())
