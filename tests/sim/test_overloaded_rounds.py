@@ -16,18 +16,23 @@ from geolimit.sim import SimCluster
 CLOSED = Rule("closed", 1_000_000, 10, 1, partition="closed")
 
 
+async def seconds_until_denied(sim: SimCluster, region: str, within: float = 3.0) -> float | None:
+    """Virtual seconds until ``region`` first denies the closed rule (a hit every 10 ms), or
+    None if it does not within ``within``."""
+    started = sim.now
+    while sim.now - started < within:
+        await sim.advance(0.01)
+        if not (await sim.hit(region, "closed", "user:1")).allowed:
+            return sim.now - started
+    return None
+
+
 async def test_a_region_whose_rounds_stop_applies_its_partition_policy_until_they_resume(sim_redis: str) -> None:
     async with SimCluster(sim_redis, ["a", "b"], [CLOSED], seed=1) as sim:
         await sim.advance(3.0)  # in contact
         assert (await sim.hit("a", "closed", "user:1")).allowed
         sim.regions["a"].gossip = False  # a's rounds stop; b's go on
-        stopped = sim.now
-        denied_after = None
-        while sim.now - stopped < 3.0:
-            await sim.advance(0.01)
-            if not (await sim.hit("a", "closed", "user:1")).allowed:
-                denied_after = sim.now - stopped
-                break
+        denied_after = await seconds_until_denied(sim, "a")
         # partition_after (1 s) after the freshness its last round published: b's counts were
         # then an interval and half a round trip old, plus up to a heartbeat since b's news
         assert denied_after is not None, "a kept deciding on b's counts as if they were current"
@@ -45,13 +50,7 @@ async def test_its_peers_apply_their_partition_policy_too_although_it_answers_th
         await sim.advance(3.0)
         assert (await sim.hit("b", "closed", "user:1")).allowed
         sim.regions["a"].gossip = False
-        stopped = sim.now
-        denied_after = None
-        while sim.now - stopped < 3.0:
-            await sim.advance(0.01)
-            if not (await sim.hit("b", "closed", "user:1")).allowed:
-                denied_after = sim.now - stopped
-                break
+        denied_after = await seconds_until_denied(sim, "b")
         assert denied_after is not None, "b kept deciding on a's counts as if they were current"
         # partition_after (1 s) after a's last delta, which came at most a heartbeat (0.25 s) earlier
         assert 0.5 <= denied_after <= 1.25
