@@ -38,10 +38,9 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from p8_instructions import Counted
+from p8_instructions import Counted, callgrind_binary
 
 from geolimit import Rule
-from geolimit.store.embedded import find_redis_server
 from geolimit.store.scripts import load_script
 
 RULE = Rule("api", 10**9, 60, 1)  # P8's rule
@@ -211,10 +210,9 @@ def main() -> int:
     parser.add_argument("--redis-server", help="the binary (default: as EmbeddedRedis finds it)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
-    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
-        print("bench/merge_costs.py needs valgrind: apt-get install valgrind", file=sys.stderr)
+    binary = callgrind_binary(args.redis_server, "merge_costs.py")
+    if binary is None:
         return 2
-    binary = args.redis_server or str(find_redis_server())
     folder = Path(tempfile.mkdtemp(prefix="geolimit-merge-costs-"))
     server = Counted("m", binary, folder)
     try:

@@ -150,6 +150,15 @@ async def measure(keys: int, rounds: int, a: Counted, b: Counted) -> dict[str, A
             "sender_median": statistics.median(out["sender"]), "receiver_median": statistics.median(out["receiver"])}
 
 
+def callgrind_binary(given: str | None, script: str) -> str | None:
+    """The redis-server to count (``given``, else the one EmbeddedRedis finds), or None (said
+    on stderr) when valgrind is missing."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print(f"bench/{script} needs valgrind: apt-get install valgrind", file=sys.stderr)
+        return None
+    return given or str(find_redis_server())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keys", type=int, default=20_000)
@@ -158,10 +167,9 @@ def main() -> int:
     parser.add_argument("--keep", metavar="DIR", help="keep the callgrind dumps in DIR")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
-    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
-        print("bench/p8_instructions.py needs valgrind: apt-get install valgrind", file=sys.stderr)
+    binary = callgrind_binary(args.redis_server, "p8_instructions.py")
+    if binary is None:
         return 2
-    binary = args.redis_server or str(find_redis_server())
     folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="geolimit-p8i-"))
     folder.mkdir(parents=True, exist_ok=True)
     servers: list[Counted] = []
