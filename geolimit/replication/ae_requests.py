@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from geolimit.core.keys import KeyLayout
+from geolimit.replication.heard import stamp_seconds
 from geolimit.store.async_store import AsyncStore
 from geolimit.store.scripts import load_script
 
@@ -70,11 +71,11 @@ class AntiEntropyRequests:
             flag, _, rest = entry.partition(b":")
             stamp, _, name = rest.partition(b":")
             peer = name.decode(errors="replace")
-            # A longer stamp is junk, and int() of one can fail (or overflow the division).
-            if peer not in known or flag not in (_AFTER_WIPE, _PLAIN) or not stamp.isdigit() or len(stamp) > 16:
+            posted = stamp_seconds(stamp)
+            if peer not in known or flag not in (_AFTER_WIPE, _PLAIN) or posted is None:
                 continue
             had = taken.get(peer)
-            after_wipe, posted = flag == _AFTER_WIPE, int(stamp) / 1e6
+            after_wipe = flag == _AFTER_WIPE
             taken[peer] = Request(after_wipe or (had is not None and had.after_wipe),
                                   max(posted, had.posted) if had else posted)
         return taken

@@ -17,7 +17,7 @@ from geolimit.core.keys import KeyLayout
 from geolimit.store.async_store import AsyncStore
 from geolimit.store.scripts import load_script
 
-__all__ = ["HEARD_MARGIN", "HEARD_TTL_MS", "SharedHeard"]
+__all__ = ["HEARD_MARGIN", "HEARD_TTL_MS", "SharedHeard", "stamp_seconds"]
 
 _HEARD = load_script("heard")
 #: The hash outlives the workers' silence by this long (then every peer counts as never heard).
@@ -27,6 +27,14 @@ HEARD_TTL_MS = 3_600_000
 #: kept (the larger time wins), it would make the peer look current for as long as it stays.
 HEARD_MARGIN = 1.0
 _MAX_DIGITS = 16  # µs since 1970 until the year 2286; int() of a longer string can fail
+
+
+def stamp_seconds(raw: object) -> float | None:
+    """A time the workers wrote (µs, ``%d``) as seconds, or None for anything else (junk
+    in the region's shared keys: not bytes, not plain digits, or too long to be a time)."""
+    if isinstance(raw, bytes) and len(raw) <= _MAX_DIGITS and raw.isdigit():
+        return int(raw) / 1e6
+    return None
 
 
 class SharedHeard:
@@ -49,8 +57,7 @@ class SharedHeard:
         reply = await self.store.run(_HEARD, args)
         latest: dict[str, float] = {}
         for peer, value in zip(peers, list(reply or ()), strict=False):
-            if isinstance(value, bytes) and len(value) <= _MAX_DIGITS and value.isdigit():
-                when = int(value) / 1e6
-                if when <= limit:
-                    latest[peer] = when
+            when = stamp_seconds(value)
+            if when is not None and when <= limit:
+                latest[peer] = when
         return latest
