@@ -19,7 +19,9 @@ alternating order, the direct path and the proxied path:
   round's figure is proxied / direct requests per second.
 
 The verdicts use the medians over rounds. Targets: at most 1.5 ms added (median)
-and at least 60 % of the direct throughput.
+and at least 60 % of the direct throughput. Also printed: each process's CPU per
+request, and the script calls Redis ran during the rounds (decisions a call, Redis
+time a call and a decision, from ``INFO commandstats``).
 """
 
 from __future__ import annotations
@@ -236,6 +238,22 @@ def decisions(admin: str) -> float:
                if line.startswith("geolimit_proxy_decisions_total{") and 'result="allowed"' in line)
 
 
+def script_calls(redis_url: str) -> tuple[int, float]:
+    """How many script calls (``EVALSHA`` and ``FCALL``) Redis has run, and the µs it spent in them."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    calls = usec = 0.0
+    for name in ("cmdstat_evalsha", "cmdstat_fcall", "cmdstat_eval"):
+        calls += stats.get(name, {}).get("calls", 0)
+        usec += stats.get(name, {}).get("usec", 0)
+    return int(calls), usec
+
+
 def run(args: argparse.Namespace) -> int:
     from geolimit.store.embedded import EmbeddedRedis
 
@@ -257,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
             if args.workers > 1:
                 time.sleep(1.5)  # the other workers' shared figures are up to 1 s old
             before = decisions(admin)
+            calls_before = script_calls(redis_server.url)
             load_before = os.getloadavg()[0]
             pids = {"load generator": [loadgen.proc.pid], "upstream": [upstream.proc.pid], "proxy": proxy_pids,
                     "redis-server": [redis_server.pid or 0]}
@@ -291,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
             if args.workers > 1:
                 time.sleep(1.5)  # the other workers' shared figures are up to 1 s old
             decided = decisions(admin) - before
+            calls_after = script_calls(redis_server.url)
             load_after = os.getloadavg()[0]
     finally:
         if proxy_proc is not None:
@@ -323,6 +343,10 @@ def run(args: argparse.Namespace) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     print(f"Redis decisions made by the proxy during the rounds: {decided:.0f} "
           f"(proxied requests: {proxied_requests})")
+    calls, usec = calls_after[0] - calls_before[0], calls_after[1] - calls_before[1]
+    if calls:
+        print(f"Script calls: {calls} ({decided / calls:.1f} decisions a call), Redis time in them "
+              f"{usec / calls:.1f} us a call, {usec / max(1, decided):.1f} us a decision")
     print(f"\nCPU per request during the throughput runs (medians over rounds; load average "
           f"{load_before:.2f} -> {load_after:.2f} on {os.cpu_count()} CPUs, other processes included):")
     cpu_rows: list[list[str]] = [["process", "direct", "proxied"]]
