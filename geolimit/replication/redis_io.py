@@ -12,6 +12,7 @@ for long and a decision waits at most about a millisecond behind replication.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -34,6 +35,8 @@ from geolimit.store.redis_store import describe_error
 from geolimit.store.scripts import load_script
 
 __all__ = ["Drained", "Limits", "MergeResult", "Packed", "ReplicationStore", "blobs_from_cells", "pack_blob", "unpack_blob"]
+
+log = logging.getLogger("geolimit.gossip")
 
 _DRAIN = load_script("drain")
 _PACK = load_script("pack")
@@ -138,6 +141,10 @@ class ReplicationStore:
             if reply is None:
                 continue
             out.own_slots[shard] = reply[0].decode()
+            if len(reply) > 3 + 2 * len(self.peers):  # keys of another type, deleted and rewritten
+                out.junk += len(reply[-1])
+                log.warning("region %s: shard %d: %s held another type (junk): deleted and rewritten",
+                            self.region, shard, b", ".join(reply[-1]).decode(errors="replace"))
             out.changed_left += int(reply[1])
             out.taken += int(reply[2])
             for i, peer in enumerate(self.peers):

@@ -39,6 +39,8 @@ class Drained:
     taken: int = 0  # changed keys fanned out by this drain
     pending: dict[str, dict[int, int]] = field(default_factory=dict)  # peer -> shard -> outbox keys
     oldest_us: dict[str, int | None] = field(default_factory=dict)  # peer -> oldest queued change
+    #: Keys of the shards' bookkeeping that held another type (junk, drain.lua): deleted and rewritten.
+    junk: int = 0
     #: Shards whose call failed (a Redis Cluster node down): drained next round.
     failed: dict[int, str] = field(default_factory=dict)  # shard -> the error
 
