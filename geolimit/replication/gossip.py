@@ -31,7 +31,7 @@ from geolimit.replication.gossip_send import Sender
 from geolimit.replication.heard import SharedHeard
 from geolimit.replication.peers import EngineSettings, PeerState
 from geolimit.replication.redis_io import MAX_WINDOW, ReplicationStore
-from geolimit.replication.takeover import FreshnessTakeover, worker_field
+from geolimit.replication.takeover import FreshnessTakeover, down_workers, worker_field
 from geolimit.replication.transport import Transport
 from geolimit.replication.wire import Blob
 
@@ -48,6 +48,10 @@ PRUNE_SHARDS = 4
 #: The parts of the workers' shared state (GossipEngine.note_sharing), as the log names them.
 _SHARED_PARTS = {"freshness": "peers' freshness", "requests": "peers' anti-entropy requests",
                  "takeover": "peers' freshness for a down worker's shards"}
+
+#: A step back of the engine's clock (the host's wall clock) larger than this (seconds) between
+#: two rounds moves the peers' recorded times back with it (PeerState.shift_times).
+CLOCK_STEP_BACK = 0.5
 
 #: Age reported for a peer never heard from (about a year).
 NEVER_HEARD_US = 365 * 86_400 * 1_000_000
@@ -95,12 +99,17 @@ class GossipEngine(Sender):
         self.sharing_errors: dict[str, str] = {}  # what of the workers' shared state is out of reach, and why
         self.takeover = FreshnessTakeover(store.store, store.layout, self.settings.worker, self.settings.workers)
         self.worker_stamps: dict[int, float | None] = {}  # each worker's last round, as last shared
+        #: Workers of this region that are down (takeover.py): while any is, this worker's
+        #: deltas say they are partial, and peers do not take this region as current from them.
+        self.workers_down: frozenset[int] = frozenset()
+        self._clock_seen: float | None = None  # the engine clock at the last round's start
 
     # -- rounds ---------------------------------------------------------------
 
     async def round(self) -> None:
         """One gossip round: fan local changes out to the outboxes, start sends and anti-entropy."""
         started = now = self.clock()
+        self._follow_clock(now)
         await self._drain(now)  # first: it renews the lease under which apps record changes
         await self._take_over(now)
         if not self._recovered:  # batches a previous agent left in flight go back to the outboxes
@@ -170,6 +179,16 @@ class GossipEngine(Sender):
         are down, if this is the lowest-numbered one that is up (takeover.py)."""
         if not self.settings.several_workers:
             return
+        down = down_workers(self.worker_stamps, self.clock(), self.settings.interval, self.settings.heartbeat,
+                            self.settings.workers, self.settings.worker)
+        if down != self.workers_down:
+            if down:
+                log.warning("region %s: worker(s) %s down: its deltas tell peers they are partial (their counts "
+                            "of this region age) until every worker is back", self.region,
+                            ", ".join(map(str, sorted(down))))
+            else:
+                log.info("region %s: every worker is up again", self.region)
+            self.workers_down = down
         shards = self.takeover.orphans(self.worker_stamps, self.clock(), self.settings.interval,
                                        self.settings.heartbeat)
         if not shards:
@@ -195,6 +214,17 @@ class GossipEngine(Sender):
         elif error is None and had is not None:
             log.info("region %s: sharing %s with the other workers again", self.region, part)
             del self.sharing_errors[what]
+
+    def _follow_clock(self, now: float) -> None:
+        """The host's clock stepped back since the last round: the peers' recorded times move
+        back with it. Otherwise their last delta would look newer than it is (ages below zero: a
+        peer current for as long as the step) and sends would wait for a time the step put off."""
+        seen, self._clock_seen = self._clock_seen, now
+        if seen is None or now >= seen - CLOCK_STEP_BACK:
+            return
+        log.warning("region %s: the clock stepped back %.3f s; peers' times move back with it", self.region, seen - now)
+        for peer in self.peers.values():
+            peer.shift_times(now - seen)
 
     def _note_failed_shards(self, failed: dict[int, str]) -> None:
         """Shards whose Redis (a Cluster node) failed this round: the others' gossip goes on."""
@@ -331,7 +361,7 @@ class GossipEngine(Sender):
             if peer.last_heard is None:
                 ages[peer.name] = NEVER_HEARD_US
             else:
-                lag = now - peer.last_heard + self.settings.interval + peer.rtt / 2
+                lag = max(0.0, now - peer.last_heard) + self.settings.interval + peer.rtt / 2
                 ages[peer.name] = int(lag * 1_000_000)
         return ages
 
@@ -367,6 +397,7 @@ class GossipEngine(Sender):
             rules={n: r.structure for n, r in self.store.rules.items()},
             shards=self.store.layout.shards,
             blobs=blobs or [],
+            partial=kind == "delta" and bool(self.workers_down),
         )
 
     # -- anti-entropy ---------------------------------------------------------

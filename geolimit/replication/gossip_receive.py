@@ -177,7 +177,8 @@ class Receiver:
         reply = self.message("ack", peer.name)
         if msg.kind == "delta":
             await self._merge(peer, msg, self.update_gap(peer, msg), admit)
-            peer.last_heard = now  # its counts as of its last drain (GossipEngine.peer_ages)
+            if not msg.partial:  # (partial: a worker of the peer is down, its shards' changes wait)
+                peer.last_heard = now  # its counts as of its last drain (GossipEngine.peer_ages)
         else:
             reply.ae = await self.repair.ae.handle(peer.name, msg.ae, admit)
         self.note_reach(peer, msg, now)

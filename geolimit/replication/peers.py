@@ -120,6 +120,18 @@ class PeerState:
     # One message packs at a time: the first is sent (and merged by the peer) while the next packs.
     packing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
+    def shift_times(self, by: float) -> None:
+        """Move every time recorded on the engine clock by ``by`` seconds (the clock stepped)."""
+        for name in ("last_ok", "last_heard", "last_attempt", "last_error_at", "ae_asked_at", "failing_since",
+                     "refused_offset_at", "auth_refused_at", "auth_warned_at"):
+            when = getattr(self, name)
+            if when is not None:
+                setattr(self, name, when + by)
+        for name in ("next_attempt", "reach_at", "ae_due", "ae_retry_at"):
+            when = getattr(self, name)
+            if when:
+                setattr(self, name, when + by)
+
     def message_limit(self, settings: EngineSettings) -> int:
         """Cells per message to this peer now."""
         return self.message_cells or settings.max_cells_per_message

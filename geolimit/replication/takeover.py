@@ -20,7 +20,7 @@ from geolimit.core.keys import KeyLayout
 from geolimit.store.async_store import AsyncStore, checked_replies
 from geolimit.store.scripts import load_script
 
-__all__ = ["FreshnessTakeover", "stale_after", "worker_field"]
+__all__ = ["FreshnessTakeover", "down_workers", "stale_after", "worker_field"]
 
 _FRESHEN = load_script("freshen")
 
@@ -43,6 +43,15 @@ def stale_after(interval: float, heartbeat: float) -> float:
     return max(2.5 * interval, heartbeat)
 
 
+def down_workers(stamps: Mapping[int, float | None], now: float, interval: float, heartbeat: float,
+                 workers: int, index: int) -> frozenset[int]:
+    """The workers other than ``index`` whose last round (``stamps``: index -> engine-clock
+    seconds, None or missing: never seen) is older than :func:`stale_after`."""
+    limit = stale_after(interval, heartbeat)
+    return frozenset(i for i in range(workers) if i != index
+                     and (stamps.get(i) is None or now - (stamps[i] or 0.0) > limit))
+
+
 class FreshnessTakeover:
     """Publishes peers' freshness for other workers' shards."""
 
@@ -57,9 +66,7 @@ class FreshnessTakeover:
         """The shards this worker publishes for: those of the workers whose last round
         (``stamps``: index -> engine-clock seconds, None: never seen) is stale, if this is
         the lowest-numbered worker that is not."""
-        limit = stale_after(interval, heartbeat)
-        down = {i for i in range(self.workers) if i != self.index
-                and (stamps.get(i) is None or now - (stamps[i] or 0.0) > limit)}
+        down = down_workers(stamps, now, interval, heartbeat, self.workers, self.index)
         if not down or any(i < self.index and i not in down for i in range(self.workers)):
             return []
         return [s for s in range(self.layout.shards) if s % self.workers in down]

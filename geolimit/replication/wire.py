@@ -59,6 +59,10 @@ class Message:
     shards: int = 0
     blobs: list[Blob] = field(default_factory=list)
     ae: dict[str, Any] = field(default_factory=dict)
+    #: A delta from a region that cannot vouch for all its shards' changes now (one of its
+    #: workers is down, ``geolimit agent --workers N``): its cells count, but the receiver
+    #: does not take the region's counts as current from it (GossipEngine.peer_ages).
+    partial: bool = False
 
 
 def encode(message: Message) -> bytes:
@@ -77,6 +81,8 @@ def encode(message: Message) -> bytes:
         body["blobs"] = [[shard, blob] for shard, blob in message.blobs]
     if message.ae:
         body["ae"] = message.ae
+    if message.partial:
+        body["partial"] = True
     return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
 
 
@@ -87,6 +93,12 @@ def _fail(what: str) -> ProtocolError:
 def _uint(value: object, what: str) -> int:
     if type(value) is not int or not 0 <= value <= MAX_UINT:
         raise _fail(f"{what} must be an unsigned integer, got {str(value)[:40]!r}")
+    return value
+
+
+def _bool(value: object, what: str) -> bool:
+    if type(value) is not bool:
+        raise _fail(f"{what} must be true or false, got {str(value)[:40]!r}")
     return value
 
 
@@ -113,6 +125,7 @@ def decode(body: bytes, max_blob_bytes: int = 1 << 24) -> Message:
         shards=_uint(raw.get("shards", 0), "shards"),
         blobs=_blobs(raw.get("blobs", [])),
         ae=_ae(raw.get("ae", {})),
+        partial=_bool(raw.get("partial", False), "partial"),
     )
 
 

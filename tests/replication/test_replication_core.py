@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -48,6 +49,19 @@ def test_a_changed_cell_costs_at_most_16_bytes_on_the_wire() -> None:
     size = len(wire.encode(message))
     key_bytes = sum(len(s) + 4 + 2 + 1 for s in subjects)  # "api:" + subject, its header, the cell list's
     assert (size - key_bytes) / len(cells) <= 16
+
+
+def test_a_partial_delta_says_so_and_a_malformed_flag_is_refused() -> None:
+    """``partial``: a region with a worker down (its shards' changes wait) says so in its deltas;
+    an older agent's message (no field) is whole."""
+    whole = wire.Message(kind="delta", sender="us-east", dest="eu-west", shards=64)
+    assert wire.decode(wire.encode(whole)).partial is False
+    assert wire.decode(wire.encode(wire.Message(kind="delta", sender="us-east", dest="eu-west", shards=64,
+                                                partial=True))).partial is True
+    body = msgpack.unpackb(wire.encode(whole))
+    body["partial"] = 1
+    with pytest.raises(ProtocolError, match="partial must be true or false"):
+        wire.decode(msgpack.packb(body))
 
 
 def test_decode_rejects_garbage_with_protocol_errors() -> None:

@@ -263,6 +263,34 @@ async def test_the_shards_of_a_worker_that_is_down_keep_their_peers_fresh(two_wo
     assert a.hit("closed", theirs).allowed
 
 
+async def test_b_takes_a_as_current_only_while_every_worker_of_a_is_up(two_workers: TwoWorkers) -> None:
+    """a's worker 1 stops: its shards' changes wait in a's Redis while worker 0's deltas and
+    heartbeats still reach b. Those said nothing of it, so b took a as current and its closed
+    rule allowed on (a tester saw b admit twice the limit). They now say they are partial:
+    b's closed rule denies once a's counts are older than partition_after, as in a partition,
+    and allows again when worker 1 is back."""
+    rs = two_workers.rs
+    first = two_workers.workers[0]
+    b = rs["b"].app()
+    subject = owned_by(1, 2)
+    await two_workers.step(10)
+    assert b.hit("closed", subject).allowed
+    assert isinstance(rs.clock, ManualClock)
+    allowed = []
+    for _ in range(20):  # 2 s without worker 1
+        await first.step()
+        await rs["b"].agent.step()
+        rs.clock.advance(rs.interval)
+        allowed.append(b.hit("closed", subject).allowed)
+    assert first.engine is not None
+    assert first.engine.workers_down == {1}
+    assert all(allowed[:5])  # 0.5 s: a's counts were current a moment ago
+    assert not any(allowed[16:])  # from 1.7 s on: a heartbeat, partition_after and two rounds
+    await two_workers.step(5)  # worker 1 is back
+    assert first.engine.workers_down == frozenset()
+    assert b.hit("closed", subject).allowed
+
+
 def test_the_lowest_numbered_live_worker_publishes_for_the_down_ones() -> None:
     layout = KeyLayout("gl", 12)
 
