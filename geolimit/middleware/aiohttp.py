@@ -36,6 +36,7 @@ from multidict import CIMultiDict
 from geolimit.http.guard import Decider, Guard, RoutePolicy, Verdict
 from geolimit.limiter import Limiter
 from geolimit.middleware.common import as_decider, decide, missing, request_info
+from geolimit.middleware.rules import checked_routes
 
 __all__ = ["HEADERS_KEY", "VERDICT_KEY", "geolimit_middleware", "on_response_prepare", "setup_geolimit"]
 
@@ -64,9 +65,11 @@ def geolimit_middleware(
 
     ``decider`` is an :class:`~geolimit.AsyncLimiter`, an ``AgentClient`` or a
     sync :class:`~geolimit.Limiter` (run in a worker thread). ``trusted_proxies``
-    as for :class:`~geolimit.middleware.GeolimitMiddleware`.
+    as for :class:`~geolimit.middleware.GeolimitMiddleware`. With a Limiter or an AsyncLimiter, a route
+    naming a rule it does not know is a :class:`~geolimit.errors.ConfigError` here (see
+    :mod:`geolimit.middleware.rules`).
     """
-    guard = Guard(as_decider(decider), routes, trusted_proxies)
+    guard = Guard(as_decider(decider), checked_routes(decider, routes), trusted_proxies)
 
     @web.middleware
     async def geolimit(request: web.Request, handler: Handler) -> web.StreamResponse:

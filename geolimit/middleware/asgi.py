@@ -41,6 +41,7 @@ from geolimit.http.guard import Decider, Guard, RoutePolicy, Verdict
 from geolimit.http.keys import RequestInfo
 from geolimit.limiter import Limiter
 from geolimit.middleware.common import Reply, as_decider, decide, missing, policy, request_info
+from geolimit.middleware.rules import checked_routes
 
 __all__ = ["ASGIApp", "GeolimitMiddleware", "Message", "Receive", "Scope", "Send"]
 
@@ -72,6 +73,8 @@ class GeolimitMiddleware:
     :class:`~geolimit.http.agent_client.AgentClient`, or a sync
     :class:`~geolimit.Limiter` (decided in a worker thread). ``routes`` are tried
     in order and the first match decides; unmatched requests are not limited.
+    With a Limiter or an AsyncLimiter, a route naming a rule it does not know is a
+    :class:`~geolimit.errors.ConfigError` here (see :mod:`geolimit.middleware.rules`).
     ``trusted_proxies`` (addresses or CIDRs) may set ``Forwarded`` /
     ``X-Forwarded-For`` for the ``ip`` key; other peers cannot spoof it.
     """
@@ -85,7 +88,8 @@ class GeolimitMiddleware:
         legacy_headers: bool = False,
     ) -> None:
         self.app = app
-        self.guard = Guard(as_decider(limiter_or_decider), routes, trusted_proxies)
+        self.guard = Guard(as_decider(limiter_or_decider), checked_routes(limiter_or_decider, routes),
+                           trusted_proxies)
         self.legacy_headers = legacy_headers
 
     @classmethod

@@ -20,17 +20,19 @@ Both middlewares decide a request with a :class:`~geolimit.http.guard.Guard`
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from geolimit.core.decision import Decision
 from geolimit.core.rule import Rule
-from geolimit.errors import ConfigError, RequestError
+from geolimit.errors import ConfigError, GeolimitError, RequestError, StorageError
 from geolimit.http.guard import Decider, Guard, LimitSpec, RoutePolicy, Verdict
 from geolimit.http.headers import PROBLEM_TYPE, problem_body, problem_document
 from geolimit.http.keys import CostSpec, KeySpec, RequestInfo, Route, bounded_subject
 from geolimit.limiter import Limiter
+from geolimit.log_every import LogEvery
 
 __all__ = [
     "BoundedDecider",
@@ -44,18 +46,43 @@ __all__ = [
     "request_info",
 ]
 
+log = logging.getLogger("geolimit.middleware")
+
 
 class BoundedDecider:
-    """Passes decisions on, hashing subjects over 4096 bytes (:func:`bounded_subject`)."""
+    """Passes decisions on, hashing subjects over 4096 bytes (:func:`bounded_subject`).
+
+    A decision that fails for a configuration problem (a rule the agent does not know,
+    one removed from the limiter since, a window that disagrees with Redis) becomes a
+    :class:`~geolimit.errors.StorageError`, logged at ERROR at most every 10 s, so
+    the limit fails by its ``on_error`` instead of answering 500, as in the proxy.
+    """
 
     def __init__(self, inner: Decider) -> None:
         self.inner = inner
+        self.lines = LogEvery(log, level=logging.ERROR)
 
     async def hit(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
-        return await self.inner.hit(rules, bounded_subject(subject), cost)
+        try:
+            return await self.inner.hit(rules, bounded_subject(subject), cost)
+        except (StorageError, RequestError):
+            raise
+        except GeolimitError as exc:
+            raise self._misconfigured(rules, exc) from exc
 
     async def peek(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
-        return await self.inner.peek(rules, bounded_subject(subject), cost)
+        try:
+            return await self.inner.peek(rules, bounded_subject(subject), cost)
+        except (StorageError, RequestError):
+            raise
+        except GeolimitError as exc:
+            raise self._misconfigured(rules, exc) from exc
+
+    def _misconfigured(self, rules: str | Sequence[str], exc: GeolimitError) -> StorageError:
+        names = rules if isinstance(rules, str) else ", ".join(rules)
+        self.lines.warn("misconfigured", f"middleware: cannot decide rule(s) {names} (configuration problem)",
+                        str(exc), "request(s) could not be decided")
+        return StorageError(f"cannot decide rule(s) {names}: {exc}")
 
 
 class ThreadedDecider:
