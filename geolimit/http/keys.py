@@ -213,7 +213,11 @@ _PARAM_RE = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 @dataclass(frozen=True)
 class Route:
-    """A path template (``/users/{id}``, ``/static/*``) and optional methods."""
+    """A path template (``/users/{id}``, ``/static/*``) and optional methods.
+
+    Only a trailing ``*`` is a wildcard (any rest of the path, ``/`` included); a
+    ``*`` anywhere else (``/api/**``, ``/v/*.html``) is a :class:`ConfigError`.
+    """
 
     template: str
     methods: frozenset[str] | None = None
@@ -222,6 +226,12 @@ class Route:
     def __post_init__(self) -> None:
         if not isinstance(self.template, str) or not self.template.startswith("/"):
             raise ConfigError(f"invalid route {self.template!r}: it must be a path that starts with /")
+        if "*" in self.template[:-1]:
+            raise ConfigError(
+                f"invalid route {self.template!r}: only a trailing * is a wildcard ('/static/*' matches every "
+                f"path under /static/, subfolders too); a * anywhere else would match only a literal *, "
+                f"so the route would limit nothing"
+            )
         names = _PARAM_RE.findall(self.template)
         if len(set(names)) != len(names):
             raise ConfigError(f"invalid route {self.template!r}: each {{name}} may appear once")
