@@ -33,7 +33,7 @@ from geolimit.limiter_base import (
     rule_spec,
 )
 from geolimit.store.async_store import AsyncClusterStore, AsyncRedisStore, AsyncStore
-from geolimit.store.connect import open_async_store
+from geolimit.store.connect import check_client, open_async_store
 from geolimit.store.protocol import (
     HitRequest,
     decode_hit,
@@ -73,6 +73,7 @@ class AsyncLimiter(LimiterBase):
         super().__init__(
             region=region, rules=rules, layout=KeyLayout(prefix, shards), on_error=on_error, clock=clock
         )
+        check_client(store, asynchronous=True)
         if isinstance(store, redis.asyncio.cluster.RedisCluster):
             store = AsyncClusterStore(store)
         elif isinstance(store, redis.asyncio.Redis):

@@ -17,7 +17,7 @@ from geolimit.core.rule import Rule
 from geolimit.core.usage import Usage
 from geolimit.errors import StorageError
 from geolimit.limiter_base import ESCROW_FIELD, LimiterBase, OnError, RuleSpec
-from geolimit.store.connect import open_sync_store
+from geolimit.store.connect import check_client, open_sync_store
 from geolimit.store.protocol import (
     HitRequest,
     decode_hit,
@@ -61,6 +61,7 @@ class Limiter(LimiterBase):
         super().__init__(
             region=region, rules=rules, layout=KeyLayout(prefix, shards), on_error=on_error, clock=clock
         )
+        check_client(store, asynchronous=False)
         if isinstance(store, redis.cluster.RedisCluster):
             store = ClusterStore(store)
         elif isinstance(store, redis.Redis):

@@ -72,6 +72,24 @@ def _options(timeout: float | None, kwargs: dict[str, Any], cluster: bool = Fals
     return opts
 
 
+def check_client(client: object, *, asynchronous: bool) -> None:
+    """Refuse a redis-py client the limiter cannot use, saying what to pass instead: a client of
+    the other kind (sync for :class:`~geolimit.AsyncLimiter`, asyncio for :class:`~geolimit.Limiter`),
+    or one made with ``decode_responses=True`` (the scripts' replies are bytes)."""
+    sync_types = (redis.Redis, redis.cluster.RedisCluster)
+    async_types = (redis.asyncio.Redis, redis.asyncio.cluster.RedisCluster)
+    name = f"{type(client).__module__}.{type(client).__qualname__}"
+    if asynchronous and isinstance(client, sync_types):
+        raise ConfigError(f"AsyncLimiter needs an asyncio client (redis.asyncio.Redis or redis.asyncio.RedisCluster), "
+                          f"got {name}: use geolimit.Limiter with it, or AsyncLimiter.from_url(url, ...)")
+    if not asynchronous and isinstance(client, async_types):
+        raise ConfigError(f"Limiter needs a sync client (redis.Redis or redis.cluster.RedisCluster), got {name}: "
+                          f"use geolimit.AsyncLimiter with it, or Limiter.from_url(url, ...)")
+    if isinstance(client, (*sync_types, *async_types)) and client.get_encoder().decode_responses:
+        raise ConfigError("this Redis client was made with decode_responses=True; geolimit reads raw bytes: pass a "
+                          "client made without it (the default), e.g. redis.Redis(host, port), or use from_url(url, ...)")
+
+
 def open_sync_store(
     url: str, *, cluster: bool | None = None, timeout: float | None = 1.0, **kwargs: Any
 ) -> SyncStore:
