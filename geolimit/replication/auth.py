@@ -159,7 +159,8 @@ class Verifier:
             raise AuthenticationError("unsigned message: X-Geolimit-* headers missing")
         if sender is None:
             if region not in self._peers:
-                raise AuthenticationError(f"message from unknown region {region[:64]!r}")
+                raise AuthenticationError(f"message from unknown region {region[:64]!r} (not among this region's "
+                                          f"peers: the two configs must name each other exactly)")
         elif region != sender:
             raise AuthenticationError(f"response from {region[:64]!r}, but the request went to {sender!r}")
         if not (_STAMP_RE.fullmatch(stamp) and _SEQ_RE.fullmatch(seq_s)):
@@ -170,7 +171,8 @@ class Verifier:
         if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace")):
             raise AuthenticationError(
                 f"bad signature on a message naming region {region[:64]!r} (or addressed to another region): "
-                f"every region's secret_file must hold the same secret")
+                f"every region's secret_file must hold the same secret, and the [peers] of region {region[:64]!r} "
+                f"must name this region {self.own_region!r}")
         # Checked after the signature, so that only a peer holding the secret is
         # reported as skewed (a replay of an old message looks the same).
         if not abs(now - when) <= self.window:

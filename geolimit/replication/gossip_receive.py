@@ -147,6 +147,13 @@ class Receiver:
             return
         more = f", {peer.auth_held_back} since the last warning" if peer.auth_held_back else ""
         peer.auth_warned_at, peer.auth_held_back = now, 0
+        if "unknown region" in why:  # it has no peer of this name: the names, not the secret
+            log.warning(
+                "region %s: peer %s does not know this region's name (%d so far%s): %s. Its [peers] must name "
+                "this region %r exactly, and this region's must name it as it names itself; nothing replicates "
+                "with %s until they do", self.region, peer.name, peer.auth_refusals, more, why, self.region, peer.name,
+            )
+            return
         log.warning(
             "region %s: peer %s refuses this region's signature (%d so far%s): %s. Every region's [region] "
             "secret_file must hold the same secret; nothing replicates with %s until it does (restart the agent "

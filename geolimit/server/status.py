@@ -52,10 +52,15 @@ def agent_status(agent: Agent, now: float) -> dict[str, Any]:
                 "auth_refused_reason": peer.auth_refused_reason,
                 "auth_refused_age": None if peer.auth_refused_at is None else round(now - peer.auth_refused_at, 3),
             }
-            if peer.auth_refused:
-                warnings.append(f"peer {peer.name} refuses this region's signature ({peer.auth_refusals} "
-                                f"so far): every region's secret_file must hold the same secret; nothing "
+            if peer.auth_refused and "unknown region" in (peer.auth_refused_reason or ""):
+                warnings.append(f"peer {peer.name} does not know this region's name ({peer.auth_refusals} so far): "
+                                f"its [peers] must name this region {agent.config.region!r} exactly; nothing "
                                 f"replicates with {peer.name} until it does")
+            elif peer.auth_refused:
+                warnings.append(f"peer {peer.name} refuses this region's signature ({peer.auth_refusals} "
+                                f"so far): every region's secret_file must hold the same secret, and its "
+                                f"[peers] must name this region {agent.config.region!r}; nothing "
+                                f"replicates with {peer.name} until they do")
     ready, waiting = agent.readiness()
     newest = max(incarnations, default=None)
     return {

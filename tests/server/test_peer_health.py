@@ -213,3 +213,38 @@ async def test_an_idle_region_shows_the_time_since_a_blackholed_peer_last_acknow
         assert lag >= 30
         assert await metric(a, "geolimit_peer_lag_seconds") >= 30
         assert (await peer_b(rs["b"].agent, "a"))["lag"] < 30  # b's side: it still reaches a
+
+
+async def test_a_peer_that_names_this_region_otherwise_is_not_reported_as_a_wrong_secret(
+    redis_server_factory: Factory, agents: list[Agent], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """b's config names its peer "aa" (a is "a"); the secrets are the same. a's warning and
+    /v1/status said "every region's secret_file must hold the same secret": they now say the
+    names must match."""
+    caplog.set_level(logging.WARNING, logger="geolimit.gossip")
+    clock = ManualClock(time.time())
+    secret = secrets.token_bytes(32)
+    a = Agent(config("a", redis_server_factory(), secret, "b", dead_url()), clock=clock)
+    b = Agent(config("b", redis_server_factory(), secret, "aa", dead_url()), clock=clock)
+    agents += [a, b]
+    for agent in (a, b):
+        await agent.listen()
+    a.set_peer_url("b", b.url)
+    b.set_peer_url("aa", a.url)
+    for agent in (a, b):
+        await agent.start()
+
+    async def refused() -> bool:
+        clock.advance(0.11)
+        return bool((await peer_b(a))["auth_refused"])
+
+    await eventually(refused, what="a's exchange with b refused")
+    assert "unknown region 'a'" in (await peer_b(a))["auth_refused_reason"]
+    _, body = await get(a, "/v1/status")
+    named = [w for w in body["warnings"] if "peer b" in w]
+    assert named
+    assert all("must name this region 'a' exactly" in w and "secret_file" not in w for w in named)
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("region a: peer b")]
+    assert logged
+    assert "does not know this region's name" in logged[0]
+    assert "secret_file" not in logged[0]
