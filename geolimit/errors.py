@@ -64,6 +64,9 @@ class UnknownRuleError(ConfigError, LookupError):
     def __init__(self, rule: str, known: list[str] | tuple[str, ...] = ()) -> None:
         self.rule = rule
         hint = f"; known rules: {', '.join(sorted(known))}" if known else ""
+        group = sorted(k for k in known if k.startswith(rule + "."))
+        if group:  # Rule.parse_many("api", "10/hour;5/minute") makes api.1h and api.1m
+            hint += f" ({', '.join(group)} are {rule!r}'s rates: pass {group!r} to decide them all-or-nothing)"
         super().__init__(f"unknown rule {rule!r}{hint}")
 
 

@@ -226,3 +226,12 @@ def test_hit_many_decides_each_request(make_limiter: MakeLimiter) -> None:
     limiter = make_limiter([Rule("api", 1, 10)])
     decisions = limiter.hit_many([("api", f"user:{i % 5}", 1) for i in range(10)])
     assert [d.allowed for d in decisions] == [True] * 5 + [False] * 5
+
+
+def test_naming_a_group_of_rates_says_to_pass_its_rules(make_limiter: MakeLimiter) -> None:
+    """``Rule.parse_many("api", ...)`` makes ``api.10s`` and ``api.1h``; ``hit("api")`` is
+    refused with the list to pass instead (the agent's API and the proxy take the name)."""
+    limiter = make_limiter(Rule.parse_many("api", "2/10s;100/hour"))
+    with pytest.raises(UnknownRuleError, match=r"\['api.10s', 'api.1h'\] to decide them all-or-nothing"):
+        limiter.hit("api", "k")
+    assert limiter.hit(["api.10s", "api.1h"], "k").allowed
