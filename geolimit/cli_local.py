@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 
-__all__ = ["cmd_redis", "cmd_try", "host_warning"]
+__all__ = ["NO_REDIS_HINT", "cmd_redis", "cmd_try", "host_warning"]
+
+
+#: What to try when ``geolimit try`` finds no Redis at ``--redis``.
+NO_REDIS_HINT = ("no Redis answers there: add --embedded for a throwaway redis-server, or start one with "
+                 "`geolimit redis` (it prints its URL) and pass that URL with --redis URL")
 
 
 def cmd_try(args: argparse.Namespace) -> int:
     """Hit a rule a few times against a Redis and print the decisions."""
     from geolimit import Limiter, Rule
+    from geolimit.core.rule import window_label
+    from geolimit.errors import StorageError
 
     rules = Rule.parse_many(args.rule_name, args.rate)  # "10/hour;5/minute": all-or-nothing over both
     with contextlib.ExitStack() as stack:
@@ -27,11 +35,22 @@ def cmd_try(args: argparse.Namespace) -> int:
             print(f"embedded redis-server at {url} (stopped on exit)")
         limiter = stack.enter_context(Limiter.from_url(url, region=args.region, rules=rules))
         for _ in range(args.times):
-            d = limiter.hit([r.name for r in rules], args.subject, cost=args.cost)
+            try:
+                d = limiter.hit([r.name for r in rules], args.subject, cost=args.cost)
+            except StorageError as exc:
+                if args.embedded or not str(exc).startswith("Redis unreachable"):
+                    raise
+                print(f"geolimit: error: {exc}\n  {NO_REDIS_HINT}", file=sys.stderr)
+                return 1
+            retry = "never" if math.isinf(d.retry_after) else f"{d.retry_after:.3f}s"
             print(
                 f"{'allowed' if d.allowed else 'denied '}  {d.rule}  remaining={d.remaining:<6} "
-                f"retry_after={d.retry_after:.3f}s reset_after={d.reset_after:.3f}s"
+                f"retry_after={retry} reset_after={d.reset_after:.3f}s"
             )
+    for rule in rules:
+        if args.cost > rule.limit:
+            print(f"note: the cost {args.cost} exceeds the limit of rule {rule.name!r} ({rule.limit} per "
+                  f"{window_label(rule.window)}): a hit of this cost is never allowed (retry_after=never)")
     return 0
 
 
