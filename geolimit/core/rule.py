@@ -269,6 +269,11 @@ class Rule:
                 f"rule {self.name!r}: window {self.window!r}s cannot be split into 10 buckets "
                 f"of whole microseconds; pass resolution explicitly"
             )
+        if resolution_us < _MIN_RESOLUTION_US and self.resolution is None:
+            raise ConfigError(
+                f"rule {self.name!r}: window {self.window!r}s is too short for the default 10 buckets (window / 10 "
+                f"= {resolution!r}s, below the minimum resolution of 1 ms): use a window of 10 ms or more, or pass "
+                f"a resolution of 1 ms or more that divides the window (resolution='1ms' or 0.001)")
         if resolution_us < _MIN_RESOLUTION_US:
             raise ConfigError(
                 f"rule {self.name!r}: resolution {resolution!r}s is below the minimum of 1 ms"

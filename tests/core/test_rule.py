@@ -118,3 +118,20 @@ def test_limit_changes_keep_the_structure() -> None:
     assert bigger.structure == rule.structure
     assert bigger.limit == 20
     assert rule.describe() == "10/60s (6s buckets, strict)"
+
+
+@pytest.mark.parametrize(("rates", "window"), [("10/ms", "0.001"), ("10/1ms", "0.001"), ("10/5ms", "0.005")])
+def test_a_window_too_short_for_the_default_buckets_says_so(rates: str, window: str) -> None:
+    """Once: "resolution 0.0001s is below the minimum of 1 ms", for a resolution nobody set."""
+    with pytest.raises(ConfigError) as caught:
+        Rule.parse_many("api", rates)
+    message = str(caught.value)
+    assert message.startswith(f"rule 'api': window {window}s is too short for the default 10 buckets (window / 10 = ")
+    assert message.endswith("below the minimum resolution of 1 ms): use a window of 10 ms or more, or pass a "
+                            "resolution of 1 ms or more that divides the window (resolution='1ms' or 0.001)")
+    assert Rule.parse_many("api", rates, resolution="1ms")[0].buckets == round(float(window) * 1000)
+
+
+def test_an_explicit_resolution_below_1ms_is_named_as_given() -> None:
+    with pytest.raises(ConfigError, match=r"^rule 'api': resolution 0.0005s is below the minimum of 1 ms$"):
+        Rule("api", 10, 0.01, resolution=0.0005)
