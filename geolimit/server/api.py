@@ -35,6 +35,7 @@ import binascii
 import hmac
 import logging
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -255,8 +256,15 @@ def _guarded(handler: Handler, token: str | None) -> Handler:
     return wrapped
 
 
-def _usage_check(query: MultiMapping[str]) -> Check:
-    """The check of a ``GET /v1/usage`` query string (one rule, one subject)."""
+def _usage_check(query: MultiMapping[str], raw_query: str = "") -> Check:
+    """The check of a ``GET /v1/usage`` query string (one rule, one subject). ``raw_query``: the
+    string as sent, whose percent-escapes must decode to UTF-8 (aiohttp would turn ``%ff`` into
+    U+FFFD, another subject)."""
+    try:
+        urllib.parse.parse_qsl(raw_query, keep_blank_values=True, errors="strict")
+    except UnicodeDecodeError:
+        raise BadRequest("the query string is not UTF-8 once percent-decoded: give a subject that is not UTF-8 "
+                         "as subject_b64 (base64)", "subject") from None
     for key in query:
         if key not in _USAGE_PARAMS:
             raise BadRequest(f"unknown query parameter {_shown(key)}; allowed: rule, subject, subject_b64", key[:100])
@@ -328,7 +336,7 @@ class _ApiHandlers:
         return web.json_response({"reset": len(checks)})
 
     async def usage(self, request: web.Request) -> web.Response:
-        parsed = _usage_check(request.query)
+        parsed = _usage_check(request.query, request.rel_url.raw_query_string)
         limiter = self.agent.require_limiter()
         parsed = _resolved(limiter, self.agent.config.rule_groups, [parsed])[0]
         if not isinstance(parsed.rules, str):

@@ -5,12 +5,14 @@ One real agent (region "a") whose only peer, "b", is down, on a real Redis.
 
 from __future__ import annotations
 
+import base64
 import secrets
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import pytest
+import yarl
 from prometheus_client.parser import text_string_to_metric_families
 
 from geolimit import Rule
@@ -241,3 +243,18 @@ async def test_api_listen_serves_the_app_api_apart_from_gossip(start_agent: Star
         assert resp.status in (404, 405), "the API port does not take gossip"
     for base in (agent.url, agent.api_url):
         assert await call(session, "GET", base + "/healthz") == (200, {"alive": True})
+
+
+async def test_usage_refuses_a_subject_that_is_not_utf8(start_agent: StartAgent,
+                                                        session: aiohttp.ClientSession) -> None:
+    """``subject=%ff`` was answered for U+FFFD, another subject; it is refused, naming subject_b64."""
+    agent = await start_agent()
+    async with session.get(yarl.URL(agent.api_url + "/v1/usage?rule=api&subject=%ff", encoded=True)) as resp:
+        assert resp.status == 400
+        error = await resp.json()
+    assert error["field"] == "subject"
+    assert "subject_b64" in error["error"]
+    status, usage = await get(session, agent, "/v1/usage?rule=api&subject_b64=" + base64.b64encode(b"\xff").decode())
+    assert (status, usage["total"]) == (200, 0)
+    status, usage = await get(session, agent, "/v1/usage?rule=api&subject=%C3%A9t%C3%A9")  # UTF-8: answered
+    assert status == 200
