@@ -142,6 +142,7 @@ class EscrowReplicator:
         longest = max(r.window_us for r in self.rules.values())
         settle = int(self.timeout * 1_000_000)  # pushes in flight at the loss have landed by then
         self.held = len(held.since)
+        released: list[int] = []
         for shard, since in held.since.items():
             fresh = [p for p in self.peers.values() if (p.pulled_since_us or 0) < since + settle]
             # No peer holds anything this region wrote in the shard, nor saw an earlier hold of
@@ -151,10 +152,14 @@ class EscrowReplicator:
                 await self.store.release(shard)
                 self.held -= 1
                 self.stats["released"] += 1
-                log.info("region %s: escrow state of shard %d restored from every peer", self.region, shard)
+                released.append(shard)
             elif now >= since + settle:
                 for peer in fresh:  # ask for a pull that begins after the hold (once it is not running)
                     peer.pull_due = min(peer.pull_due, self.clock())
+        if released:  # one line a round (a new region releases every shard at once)
+            shown = ", ".join(map(str, released[:8])) + (f" and {len(released) - 8} more" if len(released) > 8 else "")
+            log.info("region %s: escrow state of %d shard(s) restored from every peer (%s)", self.region,
+                     len(released), shown)
 
     async def _rebalance(self, now: int) -> None:
         changed = await self.store.drain(self.owned)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import replace
+
+import pytest
 
 from geolimit import Limiter, Rule
 from geolimit.store.embedded import EmbeddedRedis
@@ -23,8 +26,9 @@ async def ready(rs: Regions) -> None:
 
 
 async def test_a_new_deployment_admits_once_every_peer_was_pulled_without_waiting_a_window(
-    redis_server_factory: Factory,
+    redis_server_factory: Factory, caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="geolimit")
     async with Regions(redis_server_factory, NAMES, [LOGIN], run_loops=False) as rs:
         await rs.step(1)  # the agents publish the regions
         apps = {n: rs[n].app() for n in NAMES}
@@ -38,6 +42,9 @@ async def test_a_new_deployment_admits_once_every_peer_was_pulled_without_waitin
         assert LOGIN.window > rs["a"].agent.config.timeout + 1
         # No peer holds anything a, b or c wrote: nothing was lost, so no window to wait out.
         assert sum(apps[n].hit("login", "u").allowed for n in NAMES for _ in range(100)) == 100
+    restored = [r.getMessage() for r in caplog.records if "restored from every peer" in r.getMessage()]
+    assert len(restored) == len(NAMES)  # one line per region, not one per shard (64 each)
+    assert all("64 shard(s)" in line for line in restored)
 
 
 async def test_a_burst_at_all_three_regions_at_once_admits_at_most_the_limit(redis_server_factory: Factory) -> None:
