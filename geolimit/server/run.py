@@ -118,7 +118,8 @@ async def _supervise(agent: Agent, config: AgentConfig, stop: asyncio.Event, flu
         log.error("agent %s: graceful stop failed (%s); aborting", config.region, reason)
         await agent.abort()
         return 1
-    log.info("agent %s: stopped%s", config.region, "" if flushed else " (some cells were not delivered)")
+    log.info("agent %s: stopped%s", config.region,
+             "" if flushed else " (changes not delivered yet wait in Redis, in the outboxes, for the next agent)")
     return 0
 
 
