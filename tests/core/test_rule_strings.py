@@ -193,3 +193,17 @@ def test_the_cli_tries_several_rates(redis_url: str, redis_client: object, tmp_p
     lines = [line.split() for line in out.stdout.splitlines()]
     assert [(words[0], words[1]) for words in lines] == [
         ("allowed", "try.1m"), ("allowed", "try.1m"), ("denied", "try.1m"), ("denied", "try.1m")]
+
+
+def test_the_readme_states_the_largest_window_the_code_accepts() -> None:
+    """Once the README said "windows up to 100 years" while `10/101 years` (a year is 360 days) was
+    accepted: the cap is 100 years of 365 days."""
+    days = MAX_WINDOW // 86400
+    assert parse_rates("10/101 years") == [(10, 101 * 360 * 86400.0)]
+    with pytest.raises(ConfigError, match="longer than the largest window"):
+        parse_rates("10/102 years")
+    with pytest.raises(ConfigError, match="longer than the largest window"):
+        parse_rates(f"10/{days + 1} days")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert f"windows up to {days:,} days (100 years of 365 days" in readme
+    assert "windows up to 100 years)" not in readme
