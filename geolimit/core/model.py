@@ -29,7 +29,6 @@ from geolimit.core.window import (
     SUBSTEPS,
     Evaluation,
     bucket_of,
-    count_of,
     evaluate,
     first_offset,
     oldest_part,
@@ -197,8 +196,10 @@ class ModelStore:
 
         An update of a peer (``now_us``: when it is merged; ``gap_us`` > 0: the time
         since that peer's previous update) records, per peer slot whose count rose,
-        a :class:`Rise` for prediction, as ``merge.lua`` does for deltas. (Unlike
-        ``merge.lua``, cells outside the rule's window count too.)
+        a :class:`Rise` for prediction, as ``merge.lua`` does for deltas: per cell whose
+        value rose, what its count rose by with floors applied (a value that its floor
+        covers admitted nothing here). (Unlike ``merge.lua``, cells outside the rule's
+        window count too.)
         """
         key = (rule, subject)
         old = self.keys.get(key, {})
@@ -206,9 +207,12 @@ class ModelStore:
             rose: dict[str, int] = {}
             for bucket, slots in other.items():
                 for slot, cell in slots.items():
-                    before = old.get(bucket, {}).get(slot, Cell()).value
-                    if cell.value > before and parse_slot_id(slot)[0] != self.region:
-                        rose[slot] = rose.get(slot, 0) + count_of(cell.value) - count_of(before)
+                    before = old.get(bucket, {}).get(slot, Cell())
+                    if cell.value > before.value and parse_slot_id(slot)[0] != self.region:
+                        after = Cell(cell.value, max(cell.floor, before.floor))
+                        gained = after.effective - before.effective
+                        if gained > 0:
+                            rose[slot] = rose.get(slot, 0) + gained
             for slot, units in rose.items():
                 if units > 0:
                     self.rises.setdefault(key, {})[slot] = Rise(now_us, units, gap_us)
