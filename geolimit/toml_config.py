@@ -86,9 +86,16 @@ def require(table: Mapping[str, Any], key: str, kind: type, src: str, where: str
 
 
 def parse_listen(value: object, where: str) -> tuple[str, int]:
-    """A ``"host:port"`` address (``where`` holds the file and the key)."""
+    """A ``"host:port"`` address, or a bare port (a number or a string of digits) on 127.0.0.1
+    (``where`` holds the file and the key)."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not 0 <= value <= 65535:
+            raise ConfigError(f"{where}: a port from 0 to 65535, got {value}")
+        return "127.0.0.1", value
     if not isinstance(value, str) or ":" not in value:
-        raise ConfigError(f"{where}: expected 'host:port', got {value!r}")
+        raise ConfigError(f"{where}: expected 'host:port' (or a bare port, on 127.0.0.1), got {value!r}")
     host, _, port_s = value.rpartition(":")
     host = host.strip("[]")
     try:

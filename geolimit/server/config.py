@@ -170,7 +170,9 @@ def parse_config(data: Mapping[str, Any], path: Path | None = None) -> AgentConf
     name = parse_region(region, "name", src, "region.name")
     secret = read_secret(resolve_path(base, require(region, "secret_file", str, src, "region.secret_file")), src)
     redis_url = parse_redis_url(region, "redis_url", src, "region.redis_url")
-    listen = parse_listen(require(region, "listen", str, src, "region.listen"), f"{src}: region.listen")
+    if "listen" not in region:
+        raise ConfigError(f"{src}: missing key region.listen")
+    listen = parse_listen(region["listen"], f"{src}: region.listen")
     peers = parse_peers(gossip, src, name)
     if "rule" not in data and "rls_config" not in region:
         raise ConfigError(f"{src}: missing key rule: define at least one [[rule]] table (name, limit)")
@@ -282,15 +284,7 @@ def _parse_rls(region: Mapping[str, Any], src: str, base: Path,
         if key not in region:
             raise ConfigError(f"{src}: region.{other} needs region.{key} (the Envoy rate limit service "
                               f"takes both: where to listen and the descriptor file)")
-    raw = region["rls_listen"]
-    if isinstance(raw, str) and raw.isascii() and raw.isdigit():
-        raw = int(raw)
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        if not 0 <= raw <= 65535:
-            raise ConfigError(f"{src}: region.rls_listen: a port from 0 to 65535, got {raw}")
-        listen: tuple[str, int] = ("127.0.0.1", raw)
-    else:
-        listen = parse_listen(raw, f"{src}: region.rls_listen")
+    listen = parse_listen(region["rls_listen"], f"{src}: region.rls_listen")
     files = region["rls_config"]
     names = [files] if isinstance(files, str) else files
     if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):

@@ -85,6 +85,20 @@ def test_redis_cluster_url_and_ipv6_listen(tmp_path: Path, secret: bytes) -> Non
     assert config.listen == ("::1", 7400)
 
 
+def test_a_bare_port_listens_on_loopback(tmp_path: Path, secret: bytes) -> None:
+    """``listen = 17409`` was refused ("must be a str") while ``rls_listen`` took a bare port."""
+    for port in (17409, "17409"):
+        data = valid()
+        data["region"] |= {"listen": port, "api_listen": 17410}
+        config = load(tmp_path, data)
+        assert config.listen == ("127.0.0.1", 17409)
+        assert config.api_listen == ("127.0.0.1", 17410)
+    data = valid()
+    data["region"]["listen"] = 70000
+    with pytest.raises(ConfigError, match=r"region\.listen: a port from 0 to 65535"):
+        load(tmp_path, data)
+
+
 def test_an_api_token_file_is_read_and_never_shown(tmp_path: Path, secret: bytes) -> None:
     (tmp_path / "api.token").write_text("tok-" + "x" * 28 + "\n")
     data = valid()
@@ -231,7 +245,7 @@ BAD_VALUES = [
     pytest.param(("region", "listen"), "127.0.0.1:70000", "region.listen", id="listen-port-too-big"),
     pytest.param(("region", "listen"), "127.0.0.1:http", "region.listen", id="listen-port-not-a-number"),
     pytest.param(("region", "listen"), ":7400", "region.listen", id="listen-without-host"),
-    pytest.param(("region", "listen"), 7400, "region.listen", id="listen-not-a-string"),
+    pytest.param(("region", "listen"), ["h", 7400], "region.listen: expected 'host:port'", id="listen-not-a-string"),
     pytest.param(("region", "api_listen"), "127.0.0.1:", "region.api_listen", id="api-listen"),
     pytest.param(("region", "name"), "us east", "region.name", id="region-name"),
     pytest.param(("region", "redis_url"), "http://127.0.0.1:6379", "region.redis_url", id="redis-scheme"),
