@@ -3,7 +3,8 @@
 SIGTERM / SIGINT: stop accepting, let in-flight requests finish for up to
 ``shutdown_timeout`` seconds (then cancel them), exit 0. SIGHUP: re-read the
 file; a file that does not validate is logged and the running configuration
-stays. Exit 1 when the proxy cannot start (bad config, port in use).
+stays. Exit 1 when the proxy cannot start (bad config; a port in use, named with its
+setting and address: ``cannot listen on proxy.listen 127.0.0.1:8080: ...``).
 
 With ``workers`` > 1 (``[proxy] workers`` or ``--workers``) this process is a
 supervisor (geolimit/supervisor.py) of that many proxy processes sharing the
@@ -48,6 +49,24 @@ async def _reload(proxy: Proxy, path: str) -> None:
     log.info("proxy: reloaded %s (%s)", path, summary)
 
 
+def _check_listens(config: ProxyConfig) -> None:
+    """Bind ``listen`` and ``admin_listen`` once and let them go: a GeolimitError naming the setting and the
+    address that cannot be bound (a port another process holds), as the supervisor of several workers does."""
+    from geolimit.http.listener import bind_sockets
+
+    for key, address in config.listens:
+        if address is None:
+            continue
+        host, port = address
+        try:
+            sockets = bind_sockets(host, port)
+        except OSError as exc:
+            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise GeolimitError(f"proxy: cannot listen on {key} {where}: {exc}") from None
+        for sock in sockets:
+            sock.close()
+
+
 async def _serve(config: ProxyConfig, path: str, worker_index: int | None = None) -> int:
     proxy = Proxy(config, worker_index=worker_index or 0)
     with process_signals(lambda: _reload(proxy, path)) as stop:
@@ -55,6 +74,8 @@ async def _serve(config: ProxyConfig, path: str, worker_index: int | None = None
         orphan = asyncio.ensure_future(watch_parent(stop)) if worker_index is not None else None
         try:
             try:
+                if worker_index is None:  # a worker's supervisor checked them
+                    _check_listens(config)
                 await proxy.start()
             except (GeolimitError, OSError) as exc:
                 print(f"geolimit: error: proxy failed to start: {exc}", file=sys.stderr, flush=True)
