@@ -33,10 +33,11 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from multidict import CIMultiDict
 
+from geolimit.http.agent_client import AgentClient
 from geolimit.http.guard import Decider, Guard, RoutePolicy, Verdict
 from geolimit.limiter import Limiter
 from geolimit.middleware.common import as_decider, decide, missing, request_info
-from geolimit.middleware.rules import checked_routes
+from geolimit.middleware.rules import check_agent_routes, checked_routes
 
 __all__ = ["HEADERS_KEY", "VERDICT_KEY", "geolimit_middleware", "on_response_prepare", "setup_geolimit"]
 
@@ -109,6 +110,15 @@ def setup_geolimit(
     trusted_proxies: Sequence[str] = (),
     legacy_headers: bool = False,
 ) -> None:
-    """Append the middleware to ``app.middlewares`` and register :func:`on_response_prepare`."""
+    """Append the middleware to ``app.middlewares`` and register :func:`on_response_prepare`; with an
+    ``AgentClient``, also an ``on_startup`` hook refusing routes that name a rule the agent does not know
+    (:func:`~geolimit.middleware.rules.check_agent_routes`)."""
     app.middlewares.append(geolimit_middleware(decider, routes, trusted_proxies, legacy_headers))
     app.on_response_prepare.append(on_response_prepare)
+    if isinstance(decider, AgentClient):
+        agent = decider
+
+        async def check_routes(_: web.Application) -> None:
+            await check_agent_routes(agent, routes)
+
+        app.on_startup.append(check_routes)

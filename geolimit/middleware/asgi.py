@@ -74,7 +74,8 @@ class GeolimitMiddleware:
     :class:`~geolimit.Limiter` (decided in a worker thread). ``routes`` are tried
     in order and the first match decides; unmatched requests are not limited.
     With a Limiter or an AsyncLimiter, a route naming a rule it does not know is a
-    :class:`~geolimit.errors.ConfigError` here (see :mod:`geolimit.middleware.rules`).
+    :class:`~geolimit.errors.ConfigError` here (see :mod:`geolimit.middleware.rules`); with an
+    AgentClient, await :func:`~geolimit.middleware.rules.check_agent_routes` in the app's startup.
     ``trusted_proxies`` (addresses or CIDRs) may set ``Forwarded`` /
     ``X-Forwarded-For`` for the ``ip`` key; other peers cannot spoof it.
     """

@@ -14,26 +14,35 @@ known, so, as the proxy refuses its ``proxy.toml``:
   rule's own window (:func:`~geolimit.core.rule.window_label`). A rule of that very
   name wins over a group.
 
-An agent-backed decider (:class:`~geolimit.http.agent_client.AgentClient`) is not checked
-at setup: the middlewares are built synchronously, before the event loop serves, and
-the agent may not be up yet (the proxy starts all the same when its agent cannot be
-asked). The agent expands its tables' names itself; a rule it does not know fails by
-the limit's ``on_error`` on every request, logged at ERROR at most every 10 s
+An agent-backed decider (:class:`~geolimit.http.agent_client.AgentClient`) cannot be
+checked when the middleware is built: that is synchronous, before the event loop
+serves, and the agent may not be up yet. So, as the proxy does in agent mode
+(geolimit/proxy/agent_rules.py), :func:`check_agent_routes` asks the agent for its rules
+and multi-rate tables at start: :func:`~geolimit.middleware.setup_geolimit` registers
+it on the aiohttp app's ``on_startup`` (an unknown name fails the app's start with a
+ConfigError naming the route and the rule); an ASGI app can await it in its lifespan
+startup. An agent that cannot be asked then is logged and not waited for. The agent
+expands its tables' names itself, and a rule it does not know fails by the limit's
+``on_error`` on every request, logged at ERROR at most every 10 s
 (:class:`~geolimit.middleware.common.BoundedDecider`), never a 500.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from geolimit.async_limiter import AsyncLimiter
 from geolimit.core.rule import Rule, window_label
-from geolimit.errors import ConfigError
+from geolimit.errors import ConfigError, StorageError
+from geolimit.http.agent_client import AgentClient
 from geolimit.http.guard import LimitSpec, RoutePolicy
 from geolimit.limiter import Limiter
 
-__all__ = ["checked_routes", "rule_groups"]
+__all__ = ["check_agent_routes", "checked_routes", "rule_groups"]
+
+log = logging.getLogger("geolimit.middleware")
 
 
 def rule_groups(rules: Mapping[str, Rule]) -> dict[str, tuple[str, ...]]:
@@ -84,3 +93,24 @@ def checked_routes(decider: object, routes: Sequence[RoutePolicy]) -> tuple[Rout
         same = len(limits) == len(policy.limits)
         out.append(policy if same else RoutePolicy(policy.route, tuple(limits)))
     return tuple(out)
+
+
+async def check_agent_routes(agent: AgentClient, routes: Sequence[RoutePolicy]) -> bool:
+    """Ask ``agent`` for its rules (``GET /v1/status``) and check that it decides every limit of ``routes``:
+    a :class:`ConfigError` naming the first route and rule it does not know. False (logged as a warning)
+    when the agent cannot be asked now; True when every name is known."""
+    try:
+        rules = await agent.rules()
+    except StorageError as exc:
+        log.warning("middleware: cannot ask the agent for its rules now (%s); a limit it cannot decide fails by "
+                    "its on_error", exc)
+        return False
+    for i, policy in enumerate(routes):
+        for limit in policy.limits:
+            if rules.expand(limit.rule) is None:
+                names = ", ".join(sorted(rules.names)) or "none"
+                tables = ", ".join(f"{t} ({' + '.join(m)})" for t, m in sorted(rules.groups.items()))
+                raise ConfigError(f"route[{i}] (path {policy.route.template!r}): rule {limit.rule!r} is not one of "
+                                  f"the agent's rules (it has {names}"
+                                  + (f"; multi-rate tables {tables})" if tables else ")"))
+    return True
