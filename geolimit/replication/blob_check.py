@@ -15,6 +15,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from geolimit.core.keys import MAX_SUBJECT_BYTES
 from geolimit.errors import ProtocolError
 from geolimit.replication.msgpack_bounds import unpack_bounded
 
@@ -24,6 +25,8 @@ __all__ = ["MAX_VALUE", "VettedBlob", "vet_blob"]
 MAX_VALUE = 2**53 - 1
 MAX_SLOT_ID = 200
 MAX_SUFFIX = 4200
+#: Keys longer than this may hold a subject over MAX_SUBJECT_BYTES (after ``rule:``).
+_SUBJECT_SAFE = MAX_SUBJECT_BYTES + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +92,14 @@ def vet_blob(
         sizes = list(map(len, keys))
         if min(sizes) < 3 or max(sizes) > MAX_SUFFIX:
             raise _refuse("bad key")
+        # No limiter writes a subject over MAX_SUBJECT_BYTES, and anti-entropy refuses to
+        # exchange one: such a key would fail every exchange while it lives. The subject
+        # follows the first ':', so only a key over _SUBJECT_SAFE bytes can hold one, and
+        # only if a ':' comes within its first len - _SUBJECT_SAFE bytes (at most 103).
+        if max(sizes) > _SUBJECT_SAFE and any(
+            b":" in k[: len(k) - _SUBJECT_SAFE] for k in keys if len(k) > _SUBJECT_SAFE
+        ):
+            raise _refuse(f"a key's subject is over {MAX_SUBJECT_BYTES} bytes")
         # bool is not int here (type() is exact), as msgpack never decodes one to an int
         if not set(map(type, counts)) <= {int} or min(counts) < 1:
             raise _refuse("a cell count is not a positive integer")

@@ -62,23 +62,32 @@ def _pair(item: object, what: str) -> tuple[int, bytes]:
     return item[0], item[1]
 
 
+class Unexchangeable(ProtocolError):
+    """A key of a rule of the exchange, in one of the layout's shards, that no region may exchange:
+    its subject is over ``MAX_SUBJECT_BYTES`` or belongs to another shard.
+
+    Neither a limiter nor ``merge.lua`` writes such a key, but a Redis may hold one that an
+    older agent merged. A region skips and counts the ones it holds (listings); a peer's
+    step that names one is refused like any bad input."""
+
+
 def _check_suffix(layout: KeyLayout, rules: Mapping[str, Rule], shard: int, suffix: bytes) -> Rule:
-    """The rule of ``rule:subject`` in ``shard``; ProtocolError unless it is one of ``rules``."""
+    """The rule of ``rule:subject`` in ``shard``; ProtocolError unless it is one of ``rules``,
+    :class:`Unexchangeable` if its subject is too long or of another shard."""
     if not 0 <= shard < layout.shards:
         raise ProtocolError(f"anti-entropy: shard {shard} out of range (this region has {layout.shards})")
-    if len(suffix) > MAX_SUFFIX:
-        raise ProtocolError(f"anti-entropy: key of {len(suffix)} bytes is too long")
-    name, sep, subject = suffix.partition(b":")
+    # A rule name is 1 to 64 characters (MAX_SUFFIX = 65 + MAX_SUBJECT_BYTES), then ':'.
+    cut = suffix.find(b":", 0, MAX_SUFFIX - MAX_SUBJECT_BYTES)
     try:
-        rule = rules.get(name.decode()) if sep else None
+        rule = rules.get(suffix[:cut].decode()) if cut > 0 else None
     except UnicodeDecodeError:
         rule = None
     if rule is None:
         raise ProtocolError(f"anti-entropy: key {suffix[:80]!r} is not of a rule of this exchange")
-    if len(subject) > MAX_SUBJECT_BYTES:
-        raise ProtocolError(f"anti-entropy: subject of {len(subject)} bytes is too long")
-    if layout.shard_of(subject) != shard:
-        raise ProtocolError(f"anti-entropy: key {suffix[:80]!r} does not belong to shard {shard}")
+    if len(suffix) - cut - 1 > MAX_SUBJECT_BYTES:
+        raise Unexchangeable(f"anti-entropy: subject of {len(suffix) - cut - 1} bytes is too long")
+    if layout.shard_of(suffix[cut + 1 :]) != shard:
+        raise Unexchangeable(f"anti-entropy: key {suffix[:80]!r} does not belong to shard {shard}")
     return rule
 
 

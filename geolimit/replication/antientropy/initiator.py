@@ -13,7 +13,9 @@ from typing import Any
 from geolimit.core.keys import KeyLayout
 from geolimit.core.rule import Rule
 from geolimit.errors import GeolimitError, ProtocolError
+from geolimit.log_every import LogEvery
 from geolimit.replication.antientropy.checks import (
+    Unexchangeable,
     _bool,
     _bytes,
     _check_blobs,
@@ -44,6 +46,7 @@ from geolimit.replication.antientropy.common import (
     _node_sums,
     _Plan,
     leaves_per_shard,
+    log,
     shard_bitmap,
     tree_levels,
 )
@@ -127,8 +130,9 @@ class AntiEntropy(_Responder):
         self._scans = asyncio.Semaphore(max_scans)
         self._exchanges: dict[bytes, _Exchange] = {}
         self.stats: dict[str, float] = dict.fromkeys(
-            ("runs", "served", "refused", "cells_merged", "cells_served"), 0.0
+            ("runs", "served", "refused", "cells_merged", "cells_served", "keys_skipped"), 0.0
         )
+        self.skipped_lines = LogEvery(log)  # keys left out of listings: a line per 10 s, counting the rest
         self.set_rules(rules)
 
     def set_rules(self, rules: Mapping[str, Rule]) -> None:
@@ -142,6 +146,7 @@ class AntiEntropy(_Responder):
             ex.cancel()
             tasks += [t for t in (ex.digest_task, ex.leaf_task, ex.list_task) if t is not None]
         self._exchanges.clear()
+        self.skipped_lines.close()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -295,6 +300,9 @@ class AntiEntropy(_Responder):
             await self._local.listing(plan, bytes(bitmap), listing, _Progress())
         if listing.truncated:
             result.truncated = True
+        result.keys_skipped += listing.skipped
+        self._skipped(peer, "this region holds", listing.skipped, listing.skipped_why)
+        unfit = _Listing(0)  # counts what the peer listed and may not exchange (an older agent does)
         ours_by_key = {(s, k): d for s, k, d in listing.entries}
         result.keys_listed += len(ours_by_key)
         fetch: list[tuple[int, bytes]] = []
@@ -312,7 +320,11 @@ class AntiEntropy(_Responder):
                         or type(item[1]) is not bytes or type(item[2]) is not int or not 0 <= item[2] <= MASK:
                     raise ProtocolError(f"anti-entropy: bad listing entry {_show(item)}")
                 shard, suffix, digest = item
-                _check_suffix(self.layout, plan.rules, shard, suffix)
+                try:
+                    _check_suffix(self.layout, plan.rules, shard, suffix)
+                except Unexchangeable as exc:
+                    unfit.skip(suffix, str(exc))
+                    continue
                 key = (shard, suffix)
                 if key in seen:
                     continue
@@ -332,6 +344,8 @@ class AntiEntropy(_Responder):
             else:
                 delay = self.poll_interval
         result.keys_listed += len(seen)
+        result.keys_skipped += unfit.skipped
+        self._skipped(peer, f"{peer} listed", unfit.skipped, unfit.skipped_why)
         fetching = set(fetch)
         push = [k for k in ours_by_key if k not in seen or k in fetching]
         result.keys_differing = len(fetching.union(push))

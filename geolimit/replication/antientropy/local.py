@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from geolimit.core.keys import KeyLayout
-from geolimit.errors import StorageError
+from geolimit.errors import ProtocolError, StorageError
+from geolimit.replication.antientropy.checks import _check_suffix
 from geolimit.replication.antientropy.common import (
     BIG_FIELDS,
     MASK,
@@ -31,12 +32,24 @@ from geolimit.store.async_store import AsyncStore
 
 
 class _Listing:
-    """``(shard, rule:subject, digest)`` of the keys of some leaves, in scan order (capped)."""
+    """``(shard, rule:subject, digest)`` of the keys of some leaves, in scan order (capped).
+
+    Keys this region holds but may not exchange (:class:`Unexchangeable`: an older agent
+    merged them) are left out and counted in ``skipped``, the latest with its reason in
+    ``skipped_why``: a peer refuses to read or take them, so listing one would fail every
+    exchange for as long as it lives.
+    """
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.entries: list[tuple[int, bytes, int]] = []
         self.truncated = False
+        self.skipped = 0
+        self.skipped_why = ""
+
+    def skip(self, suffix: bytes, why: str) -> None:
+        self.skipped += 1
+        self.skipped_why = f"{suffix[:40]!r}{'...' if len(suffix) > 40 else ''} ({len(suffix)} bytes): {why}"
 
     def add(self, shard: int, suffix: bytes, digest: int) -> None:
         if len(self.entries) >= self.cap:
@@ -107,13 +120,23 @@ class _Local(_Scanner):
         return out
 
     async def listing(self, plan: _Plan, bitmap: bytes, listing: _Listing, progress: _Progress) -> None:
+        layout, rules = self.layout, plan.rules
+
+        def add(shard: int, suffix: bytes, digest: int) -> None:
+            try:
+                _check_suffix(layout, rules, shard, suffix)
+            except ProtocolError as exc:  # Unexchangeable (ae_scan.lua lists only the plan's rules and shards)
+                listing.skip(suffix, str(exc))
+            else:
+                listing.add(shard, suffix, digest)
+
         def on_entry(reply: list[Any]) -> None:
             flat = reply[2]
             for i in range(0, len(flat), 3):
-                listing.add(int(flat[i]), flat[i + 1], int(flat[i + 2]))
+                add(int(flat[i]), flat[i + 1], int(flat[i + 2]))
 
         def on_big(g: int, key: bytes, shard: int, digest: int, cells: int) -> None:
-            listing.add(shard, key[len(self.layout.tag(shard)) + 1 :], digest)
+            add(shard, key[len(self.layout.tag(shard)) + 1 :], digest)
 
         try:
             await self.scan(plan, b"l", bitmap, on_entry, on_big, progress)

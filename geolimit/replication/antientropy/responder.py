@@ -7,9 +7,10 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from geolimit.core.keys import KeyLayout
+from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout
 from geolimit.core.rule import Rule
 from geolimit.errors import GeolimitError, ProtocolError, StorageError
+from geolimit.log_every import LogEvery
 from geolimit.replication.antientropy.checks import (
     _bytes,
     _check_blobs,
@@ -49,6 +50,7 @@ from geolimit.replication.antientropy.local import _Listing, _Local
 class _Responder:
     """The responder's side of :class:`AntiEntropy` (see there), which sets these attributes."""
 
+    region: str
     layout: KeyLayout
     rules: dict[str, Rule]
     merge: Merge
@@ -57,6 +59,7 @@ class _Responder:
     max_keys: int
     exchange_ttl: float
     stats: dict[str, float]
+    skipped_lines: LogEvery
     _local: _Local
     _scans: asyncio.Semaphore
     _exchanges: dict[bytes, _Exchange]
@@ -247,6 +250,19 @@ class _Responder:
                 await self._local.listing(ex.plan, bitmap, listing, ex.progress)
         finally:
             ex.touched = self.monotonic()
+        self._skipped(ex.peer, "this region holds", listing.skipped, listing.skipped_why)
+
+    def _skipped(self, peer: str, whose: str, keys: int, why: str) -> None:
+        """Count, and log at most once every 10 s, keys left out of a listing (:class:`Unexchangeable`)."""
+        if not keys:
+            return
+        self.stats["keys_skipped"] += keys
+        self.skipped_lines.warn(
+            ("skipped", peer, whose), f"region {self.region}: anti-entropy with {peer}",
+            f"{keys} key(s) {whose} cannot be exchanged and were skipped (a subject over {MAX_SUBJECT_BYTES} "
+            f"bytes or of another shard, which an older agent merged: they expire with their rule's window); "
+            f"the latest: {why}", "key(s) skipped", keys,
+        )
 
     def _on_entries(self, ex: _Exchange, payload: dict[str, Any]) -> dict[str, Any]:
         if ex.listing is None:

@@ -125,9 +125,22 @@ local specs = {}  -- key position -> its rule (false: a rule this region skips)
 if checked then  -- the types passed the check call (blob_check.py): only count
   for i = 1, n do total = total + counts[i] end
 else  -- in the order of blob_check.py, so that both name the same fault first
+  local longest = 0
   for i = 1, n do
     local suffix = keys[i]
     if type(suffix) ~= 'string' or #suffix < 3 or #suffix > 4200 then return refuse('bad key') end
+    if #suffix > longest then longest = #suffix end
+  end
+  -- A subject (after the first ':') over 4096 bytes (MAX_SUBJECT_BYTES): no limiter writes
+  -- one, and anti-entropy cannot exchange it. Only a key over 4097 bytes can hold one, and
+  -- only with a ':' in its first #suffix - 4097 bytes (at most 103 are searched a key).
+  if longest > 4097 then
+    for i = 1, n do
+      local suffix = keys[i]
+      if #suffix > 4097 and string.find(string.sub(suffix, 1, #suffix - 4097), ':', 1, true) then
+        return refuse("a key's subject is over 4096 bytes")
+      end
+    end
   end
   for i = 1, n do
     local m = counts[i]
