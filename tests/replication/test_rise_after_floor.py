@@ -6,9 +6,8 @@ so ``/v1/peek`` said 985 of 1000 left and larger costs were denied for about a s
 A rise is the rise of the cell's count with floors applied, ``max(0, count(value) -
 count(floor))``: so in the model (``ModelStore.merge``). ``merge.lua`` must agree on both
 its paths (one cell a key: ``merge_paths.lua``'s ``merge_one``; several: ``merge_apply.lua``,
-which ``tests/replication/test_merge_fast_path.py`` keeps equal); its change waits for the
-owner of ``merge_paths.lua``, so the tests of the Lua are marked PENDING (strict xfail:
-they fail today, and the marks go when the change lands). Real redis-server (``redis_url``).
+which ``tests/replication/test_merge_fast_path.py`` keeps equal) record the same
+(``counted`` in common.lua). Real redis-server (``redis_url``).
 """
 
 from __future__ import annotations
@@ -31,8 +30,6 @@ API = Rule("api", 1000, 10, 1)
 SLOT = "b/i1"
 GAP_US = 100_000
 Setup = tuple[AsyncLimiter, ReplicationStore, ManualClock]
-PENDING = pytest.mark.xfail(strict=True, reason="merge.lua still records a value's rise that its floor covers: "
-                            "the two-line change to merge_paths.lua and merge_apply.lua waits for their owner")
 
 
 @pytest.fixture
@@ -72,7 +69,6 @@ def _model_rise(cells: list[tuple[int, int]]) -> int:
     return rise.units if rise else 0
 
 
-@PENDING
 @pytest.mark.parametrize("twice", [False, True], ids=["one cell", "two cells"])
 async def test_a_peer_cell_at_its_floor_reserves_nothing(setup: Setup, redis_client: redis.Redis,
                                                          twice: bool) -> None:
@@ -107,7 +103,7 @@ def test_the_model_records_the_rise_of_the_count_with_floors_applied(cells: list
 
 
 @pytest.mark.parametrize("twice", [False, True], ids=["one cell", "two cells"])
-@pytest.mark.parametrize(("cells", "units"), [*(pytest.param(*c, marks=PENDING) for c in CASES), NO_FLOOR])
+@pytest.mark.parametrize(("cells", "units"), [*CASES, NO_FLOOR])
 async def test_lua_records_the_rise_the_model_does(
     setup: Setup, redis_client: redis.Redis, twice: bool, cells: list[tuple[int, int]], units: int
 ) -> None:
@@ -120,7 +116,6 @@ async def test_lua_records_the_rise_the_model_does(
 pairs = st.lists(st.tuples(st.integers(0, 4 * SUBSTEPS), st.integers(0, 4 * SUBSTEPS)), min_size=1, max_size=6)
 
 
-@PENDING
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pairs, st.booleans())
 @example([(640, 640)], False)

@@ -8,6 +8,12 @@ local call = redis.call
 -- approximate mode where a bucket's traffic began. (geolimit.core.window.SUBSTEPS)
 local SUB = 64
 local function count_of(v) return (v - v % SUB) / SUB end
+-- What a cell of value v and reset floor w counts: max(0, count(v) - count(w))
+-- (geolimit.core.gcounter.Cell.effective).
+local function counted(v, w)
+  local cv, cw = count_of(v), count_of(w)
+  return cv > cw and cv - cw or 0
+end
 -- Approximate mode's margin on the oldest bucket, in standard deviations of its
 -- count (geolimit.core.window.MARGIN).
 local MARGIN = 2.5

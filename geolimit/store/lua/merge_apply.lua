@@ -155,8 +155,8 @@ for i = 1, n do
             inc = inc + 1
             if not lowest or b < lowest then lowest = b end
             local f = cf[q]
-            if rises and v > v0 and f >= M then  -- a peer slot's count may have risen
-              local add = (v - v % SUB) / SUB - (v0 - v0 % SUB) / SUB
+            if rises and v > v0 and f >= M then  -- a peer slot's count may have risen (floors applied)
+              local add = counted(v, w) - counted(v0, w0)
               if add > 0 then
                 local x = (f - f % M) / M
                 if nr == 0 then nr, x1, u1 = 1, x, add  -- the usual case: one peer slot

@@ -204,8 +204,8 @@ local function merge_one(i, o, spec)
       if w < w0 then w = w0 end
       inc = inc + 1
       lowest = b
-      if stamp and spec[9] and v > v0 and f >= M then  -- a peer slot's count may have risen
-        local add = (v - v % SUB) / SUB - (v0 - v0 % SUB) / SUB
+      if stamp and spec[9] and v > v0 and f >= M then  -- a peer slot's count may have risen (floors applied)
+        local add = counted(v, w) - counted(v0, w0)
         if add > 0 then write[nw + 1], write[nw + 2], nw = pnames[(f - f % M) / M], risen[add], nw + 2 end
       end
       if v > 0 then write[nw + 1], write[nw + 2], nw = fnames[f], fnames[v], nw + 2 end
