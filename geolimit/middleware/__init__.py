@@ -8,10 +8,12 @@ the reverse proxy. Neither needs Starlette or FastAPI installed.
 from geolimit.middleware.aiohttp import geolimit_middleware, on_response_prepare, setup_geolimit
 from geolimit.middleware.asgi import GeolimitMiddleware
 from geolimit.middleware.common import ThreadedDecider, policy
+from geolimit.middleware.rules import check_agent_routes
 
 __all__ = [
     "GeolimitMiddleware",
     "ThreadedDecider",
+    "check_agent_routes",
     "geolimit_middleware",
     "on_response_prepare",
     "policy",

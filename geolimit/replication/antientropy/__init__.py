@@ -26,7 +26,7 @@ differences, in many small steps:
    judged by both sides' counts), both sides run a second pass that lists
    ``(shard, rule:subject, digest)`` of the keys in those leaves; the initiator
    pulls the responder's list page by page and compares key by key. A key a
-   region holds but may not exchange (``checks.Unexchangeable``: a subject over
+   region holds but may not exchange (``checks._Unexchangeable``: a subject over
    ``MAX_SUBJECT_BYTES`` or of another shard, which an older agent merged) is
    left out of its listing, and skipped in a peer's, counted in ``keys_skipped``.
 4. **Repair.** The initiator reads the responder's cells of keys that differ or

@@ -62,7 +62,7 @@ def _pair(item: object, what: str) -> tuple[int, bytes]:
     return item[0], item[1]
 
 
-class Unexchangeable(ProtocolError):
+class _Unexchangeable(ProtocolError):
     """A key of a rule of the exchange, in one of the layout's shards, that no region may exchange:
     its subject is over ``MAX_SUBJECT_BYTES`` or belongs to another shard.
 
@@ -73,7 +73,7 @@ class Unexchangeable(ProtocolError):
 
 def _check_suffix(layout: KeyLayout, rules: Mapping[str, Rule], shard: int, suffix: bytes) -> Rule:
     """The rule of ``rule:subject`` in ``shard``; ProtocolError unless it is one of ``rules``,
-    :class:`Unexchangeable` if its subject is too long or of another shard."""
+    :class:`_Unexchangeable` if its subject is too long or of another shard."""
     if not 0 <= shard < layout.shards:
         raise ProtocolError(f"anti-entropy: shard {shard} out of range (this region has {layout.shards})")
     # A rule name is 1 to 64 characters (MAX_SUFFIX = 65 + MAX_SUBJECT_BYTES), then ':'.
@@ -85,9 +85,9 @@ def _check_suffix(layout: KeyLayout, rules: Mapping[str, Rule], shard: int, suff
     if rule is None:
         raise ProtocolError(f"anti-entropy: key {suffix[:80]!r} is not of a rule of this exchange")
     if len(suffix) - cut - 1 > MAX_SUBJECT_BYTES:
-        raise Unexchangeable(f"anti-entropy: subject of {len(suffix) - cut - 1} bytes is too long")
+        raise _Unexchangeable(f"anti-entropy: subject of {len(suffix) - cut - 1} bytes is too long")
     if layout.shard_of(suffix[cut + 1 :]) != shard:
-        raise Unexchangeable(f"anti-entropy: key {suffix[:80]!r} does not belong to shard {shard}")
+        raise _Unexchangeable(f"anti-entropy: key {suffix[:80]!r} does not belong to shard {shard}")
     return rule
 
 

@@ -154,7 +154,7 @@ class AntiEntropyResult:
     leaves_differing: int = 0
     keys_listed: int = 0  # ours + theirs, in the listing pass
     keys_differing: int = 0
-    keys_skipped: int = 0  # listed keys (ours or theirs) that may not be exchanged (checks.Unexchangeable)
+    keys_skipped: int = 0  # listed keys (ours or theirs) that may not be exchanged (checks._Unexchangeable)
     keys_received: int = 0  # keys whose cells we asked for
     keys_sent: int = 0  # keys whose cells we pushed
     cells_received: int = 0

@@ -15,7 +15,6 @@ from geolimit.core.rule import Rule
 from geolimit.errors import GeolimitError, ProtocolError
 from geolimit.log_every import LogEvery
 from geolimit.replication.antientropy.checks import (
-    Unexchangeable,
     _bool,
     _bytes,
     _check_blobs,
@@ -23,6 +22,7 @@ from geolimit.replication.antientropy.checks import (
     _int,
     _list,
     _show,
+    _Unexchangeable,
 )
 from geolimit.replication.antientropy.common import (
     MASK,
@@ -322,7 +322,7 @@ class AntiEntropy(_Responder):
                 shard, suffix, digest = item
                 try:
                     _check_suffix(self.layout, plan.rules, shard, suffix)
-                except Unexchangeable as exc:
+                except _Unexchangeable as exc:
                     unfit.skip(suffix, str(exc))
                     continue
                 key = (shard, suffix)

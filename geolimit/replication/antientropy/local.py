@@ -34,7 +34,7 @@ from geolimit.store.async_store import AsyncStore
 class _Listing:
     """``(shard, rule:subject, digest)`` of the keys of some leaves, in scan order (capped).
 
-    Keys this region holds but may not exchange (:class:`Unexchangeable`: an older agent
+    Keys this region holds but may not exchange (:class:`_Unexchangeable`: an older agent
     merged them) are left out and counted in ``skipped``, the latest with its reason in
     ``skipped_why``: a peer refuses to read or take them, so listing one would fail every
     exchange for as long as it lives.
@@ -125,7 +125,7 @@ class _Local(_Scanner):
         def add(shard: int, suffix: bytes, digest: int) -> None:
             try:
                 _check_suffix(layout, rules, shard, suffix)
-            except ProtocolError as exc:  # Unexchangeable (ae_scan.lua lists only the plan's rules and shards)
+            except ProtocolError as exc:  # _Unexchangeable (ae_scan.lua lists only the plan's rules and shards)
                 listing.skip(suffix, str(exc))
             else:
                 listing.add(shard, suffix, digest)

@@ -253,7 +253,7 @@ class _Responder:
         self._skipped(ex.peer, "this region holds", listing.skipped, listing.skipped_why)
 
     def _skipped(self, peer: str, whose: str, keys: int, why: str) -> None:
-        """Count, and log at most once every 10 s, keys left out of a listing (:class:`Unexchangeable`)."""
+        """Count, and log at most once every 10 s, keys left out of a listing (:class:`_Unexchangeable`)."""
         if not keys:
             return
         self.stats["keys_skipped"] += keys
