@@ -89,7 +89,7 @@ class GossipEngine(Sender):
         self.stats: dict[str, float] = dict.fromkeys(
             ("rounds", "round_seconds", "drained", "unknown_rule", "merged", "increased", "bad_values", "relayed",
              "dropped_old", "dropped_future", "own_ahead", "ae_runs", "ae_failed", "ae_cells", "ae_keys_repaired",
-             "wipes", "refused", "refused_by_peers", "pruned", "parked", "unparked", "slots_reclaimed"), 0.0
+             "wipes", "refused", "refused_by_peers", "pruned", "parked", "unparked", "slots_reclaimed", "junk_keys"), 0.0
         )
         self.failed_shards: set[int] = set()  # shards whose Redis calls failed in the last drain
         self._reclaim_next = 0  # index into the owned shards of the next page to reclaim slots in
@@ -141,6 +141,7 @@ class GossipEngine(Sender):
             for _ in range(self.settings.drain_passes):
                 drained = await self.store.drain(lease, self.peer_ages(now), correction_us)
                 self.stats["drained"] += drained.taken
+                self.stats["junk_keys"] += drained.junk
                 if not drained.changed_left:
                     break
         except StorageError:

@@ -9,8 +9,10 @@ most. Real redis-server (``redis_url``).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Callable
 
+import aiohttp
 import pytest
 import redis
 
@@ -18,7 +20,10 @@ from geolimit import AsyncLimiter, ManualClock, Rule
 from geolimit.errors import StorageError
 from geolimit.replication.redis_io import ReplicationStore
 from geolimit.replication.takeover import FreshnessTakeover
+from geolimit.store.embedded import EmbeddedRedis
+from tests.support.regions import Regions
 
+Factory = Callable[..., EmbeddedRedis]
 CLOSED = Rule("closed", 100, 10, 1, partition="closed")
 SUBJECT = b"s7"
 
@@ -100,3 +105,23 @@ async def test_the_takeover_rewrites_a_junk_peers_hash_too(
     assert redis_client.hget(key, "b") is not None
     assert (await limiter.hit("closed", SUBJECT)).allowed
     assert await takeover.publish([shard], {"b": 1_000_000}, 0, store.clock_arg()) == 0  # only forward
+
+
+async def test_an_agent_repairs_a_junk_key_in_a_round_and_counts_it(redis_server_factory: Factory) -> None:
+    """Through a real agent: the closed rule's decisions on the junk shard fail, one round later
+    they are decided again, and ``/metrics`` counts the repair (geolimit_junk_keys_repaired)."""
+    async with Regions(redis_server_factory, ["a", "b"], [CLOSED], run_loops=False) as rs:
+        await rs.step(5)
+        a = rs["a"].app()
+        assert a.hit("closed", SUBJECT).allowed
+        key = a.layout.tag(a.layout.shard_of(SUBJECT)) + b"#p"
+        client = rs["a"].client()
+        client.delete(key)
+        client.set(key, "junk")
+        with pytest.raises(StorageError):
+            a.hit("closed", SUBJECT)
+        await rs.step(1)
+        assert a.hit("closed", SUBJECT).allowed
+        async with aiohttp.ClientSession() as http, http.get(rs["a"].agent.url + "/metrics") as resp:
+            text = await resp.text()
+        assert re.search(r"^geolimit_junk_keys_repaired_total 1\.0$", text, re.MULTILINE), text[:2000]
