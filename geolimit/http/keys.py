@@ -245,7 +245,9 @@ class Route:
             regex += re.escape(tail[:-1]) + ".*"
         else:
             regex += re.escape(tail)
-        object.__setattr__(self, "pattern", re.compile("^" + regex + "$"))
+        # DOTALL: a trailing * covers every character, a newline too (a path with %0A in it
+        # matched no '/*' route before, so it went through unlimited).
+        object.__setattr__(self, "pattern", re.compile("^" + regex + "$", re.DOTALL))
 
     def match(self, method: str, path: str) -> dict[str, str] | None:
         if self.methods is not None and method.upper() not in self.methods:

@@ -32,6 +32,11 @@ def test_an_inner_star_is_refused(template: str) -> None:
     ("/*", "/", {}),
     ("/static*", "/static.css", {}),
     ("/users/{id}/*", "/users/7/photos/1", {"id": "7"}),
+    # A newline (%0A, decoded) is matched by the * as any character: such paths matched no
+    # '/*' route, so they went through unlimited.
+    ("/*", "/a\nb", {}),
+    ("/static/*", "/static/a\n", {}),
+    ("/users/{id}/*", "/users/7/x\ny", {"id": "7"}),
 ])
 def test_a_trailing_star_still_matches_the_rest(template: str, path: str, params: dict[str, str]) -> None:
     assert Route(template).match("GET", path) == params
