@@ -36,6 +36,7 @@ from geolimit.core.escrow import plan_round, share
 from geolimit.core.keys import MAX_SUBJECT_BYTES, KeyLayout
 from geolimit.core.rule import Rule
 from geolimit.errors import GeolimitError, ProtocolError
+from geolimit.replication.clock_steps import SteppedClock
 from geolimit.replication.escrow_io import OWN_CLAIM, EscrowStore, Held
 from geolimit.replication.escrow_wire import MAX_KEYS, EscrowMessage
 from geolimit.store.escrow_fields import own_figures, state_of, vet_fields
@@ -93,7 +94,7 @@ class EscrowReplicator:
         self.timeout = timeout
         self.pull_interval = pull_interval
         self._now_us = now_us
-        self.clock = clock
+        self.clock = SteppedClock(clock, self._shift_times, f"region {region} (escrow)")  # clock_steps.py
         self.peers = {p: EscrowPeer(p) for p in peers}
         self.rules: dict[str, Rule] = {}
         self.set_rules(rules)
@@ -124,6 +125,17 @@ class EscrowReplicator:
         now = self.clock()
         horizon = 3 * self.interval + min(self.timeout, 1.0)
         return {p.name for p in self.peers.values() if p.last_ok is not None and now - p.last_ok <= horizon}
+
+    def _shift_times(self, by: float) -> None:
+        """The host's clock stepped back: the peers' recorded times move with it (else a dead peer
+        stayed live, and pushes, pulls and retries waited, for as long as the step)."""
+        for peer in self.peers.values():
+            if peer.last_ok is not None:
+                peer.last_ok += by
+            if peer.next_attempt:
+                peer.next_attempt += by
+            if peer.pull_due:
+                peer.pull_due += by
 
     # -- rounds ---------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from geolimit.core.rule import Rule
 from geolimit.errors import StorageError
 from geolimit.replication import wire
 from geolimit.replication.antientropy import AntiEntropyResult
+from geolimit.replication.clock_steps import SteppedClock
 from geolimit.replication.clock_sync import agreed_correction
 from geolimit.replication.gossip_repair import AntiEntropyDriver
 from geolimit.replication.gossip_send import Sender
@@ -49,10 +50,6 @@ PRUNE_SHARDS = 4
 _SHARED_PARTS = {"freshness": "peers' freshness", "requests": "peers' anti-entropy requests",
                  "takeover": "peers' freshness for a down worker's shards"}
 
-#: A step back of the engine's clock (the host's wall clock) larger than this (seconds) between
-#: two rounds moves the peers' recorded times back with it (PeerState.shift_times).
-CLOCK_STEP_BACK = 0.5
-
 #: Age reported for a peer never heard from (about a year).
 NEVER_HEARD_US = 365 * 86_400 * 1_000_000
 
@@ -76,7 +73,8 @@ class GossipEngine(Sender):
         self.settings = settings or EngineSettings()
         if not 1 <= self.settings.window <= MAX_WINDOW:
             raise ValueError(f"window must be from 1 to {MAX_WINDOW}")
-        self.clock = clock
+        #: The engine's clock, watched for steps back (clock_steps.py).
+        self.clock = SteppedClock(clock, self._shift_times, f"region {region}")
         self.rng = rng or random.Random()
         self.peers = {name: PeerState(name) for name in peers}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -102,14 +100,12 @@ class GossipEngine(Sender):
         #: Workers of this region that are down (takeover.py): while any is, this worker's
         #: deltas say they are partial, and peers do not take this region as current from them.
         self.workers_down: frozenset[int] = frozenset()
-        self._clock_seen: float | None = None  # the engine clock at the last round's start
 
     # -- rounds ---------------------------------------------------------------
 
     async def round(self) -> None:
         """One gossip round: fan local changes out to the outboxes, start sends and anti-entropy."""
         started = now = self.clock()
-        self._follow_clock(now)
         await self._drain(now)  # first: it renews the lease under which apps record changes
         await self._take_over(now)
         if not self._recovered:  # batches a previous agent left in flight go back to the outboxes
@@ -216,16 +212,10 @@ class GossipEngine(Sender):
             log.info("region %s: sharing %s with the other workers again", self.region, part)
             del self.sharing_errors[what]
 
-    def _follow_clock(self, now: float) -> None:
-        """The host's clock stepped back since the last round: the peers' recorded times move
-        back with it. Otherwise their last delta would look newer than it is (ages below zero: a
-        peer current for as long as the step) and sends would wait for a time the step put off."""
-        seen, self._clock_seen = self._clock_seen, now
-        if seen is None or now >= seen - CLOCK_STEP_BACK:
-            return
-        log.warning("region %s: the clock stepped back %.3f s; peers' times move back with it", self.region, seen - now)
+    def _shift_times(self, by: float) -> None:
+        """The host's clock stepped (clock_steps.py): every time recorded for the peers moves with it."""
         for peer in self.peers.values():
-            peer.shift_times(now - seen)
+            peer.shift_times(by)
 
     def _note_failed_shards(self, failed: dict[int, str]) -> None:
         """Shards whose Redis (a Cluster node) failed this round: the others' gossip goes on."""
@@ -384,7 +374,7 @@ class GossipEngine(Sender):
         return self.clock() + self.clock_correction
 
     def _reach(self, now: float) -> dict[str, float]:
-        return {p.name: round(now - p.last_ok, 3) for p in self.peers.values() if p.last_ok is not None}
+        return {p.name: max(0.0, round(now - p.last_ok, 3)) for p in self.peers.values() if p.last_ok is not None}
 
     def message(self, kind: str, dest: str, blobs: list[Blob] | None = None) -> wire.Message:
         now = self.clock()

@@ -111,7 +111,7 @@ class Sender(Receiver):
                     self._failed(peer, exc)
                     return
                 await self._conclude(peer, slot, packed, delivered=True)
-                took = self.clock() - sent_at
+                took = max(0.0, self.clock() - sent_at)  # (a clock stepped back meanwhile)
                 peer.resize(self.settings, packed.cells, took)
                 peer.rtt = took if peer.rtt == 0.0 else 0.8 * peer.rtt + 0.2 * took
                 peer.cells_sent += packed.cells

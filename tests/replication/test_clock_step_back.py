@@ -4,7 +4,9 @@ The agents' times are the wall clock's. Before, a peer's last delta then looked 
 than now (ages below zero), so a peer that went silent after the step stayed current
 for as long as the step: a closed rule allowed for 10 s instead of about 1 s after its
 peer's last delta. And a region's next heartbeat waited for a time the step had put
-off. Now the peers' recorded times move back with the clock (GossipEngine._follow_clock).
+off. Now the peers' recorded times move back with the clock: the engines' clocks watch every
+reading for a step back (geolimit/replication/clock_steps.py), so a time recorded after the
+step is never moved twice.
 
 Real agents and real redis-servers on loopback, stepped by hand under a manual clock.
 """
@@ -18,6 +20,7 @@ from dataclasses import replace
 import pytest
 
 from geolimit import ManualClock, Rule
+from geolimit.replication.escrow import EscrowReplicator
 from geolimit.server.agent import Agent
 from geolimit.store.embedded import EmbeddedRedis
 from tests.replication.test_worker_sharing import owned_by
@@ -95,3 +98,45 @@ async def test_a_region_s_times_move_back_with_its_clock(redis_server_factory: F
         assert before is not None
         assert engine.peers["b"].last_attempt <= clock_a()  # moved back with the clock: due again on time
         assert min(engine.peer_ages(clock_a()).values()) >= 0
+
+
+async def test_a_delta_that_arrives_between_the_step_and_the_next_round_keeps_its_time(
+    redis_server_factory: Factory,
+) -> None:
+    """The step back was noticed only at a's next round, which then moved b's last delta (already
+    on the new clock) back a second time: a's closed rule denied with b healthy, and a's answer
+    in between carried a negative reach age, which b refused (a tester's find)."""
+    clock = ManualClock(float(int(time.time()) // 10 * 10))
+    async with Regions(redis_server_factory, ["a", "b"], [API, CLOSED], run_loops=False, clock=clock,
+                       anti_entropy_interval=3600) as rs:
+        await rs.step(30)
+        a = rs["a"].app()
+        assert a.peek("closed", "user-1").allowed
+        clock.set(clock() - STEP_BACK)
+        rs["b"].app().hit("api", "user-7")  # b's next round sends a delta to a
+        await rs["b"].agent.step()
+        engine_b = rs["b"].agent.engine
+        assert engine_b is not None
+        assert engine_b.peers["a"].failures == 0  # a's answer was accepted
+        clock.advance(rs.interval)
+        await rs["a"].agent.step()
+        engine_a = rs["a"].agent.engine
+        assert engine_a is not None
+        assert engine_a.peer_ages(clock())["b"] < 1_000_000
+        assert a.peek("closed", "user-1").allowed
+
+
+def test_escrow_s_peers_follow_a_step_back() -> None:
+    """A dead peer stayed live, and the next pull waited, for as long as the step."""
+    clock = ManualClock(1_700_000_000.0)
+    escrow = EscrowReplicator("a", ["b"], store=None, rules={}, transport=None, owned=[0],  # type: ignore[arg-type]
+                              interval=0.1, timeout=1.0, pull_interval=60.0, now_us=lambda: None, clock=clock)
+    peer = escrow.peers["b"]
+    peer.last_ok = escrow.clock()
+    peer.pull_due = escrow.clock() + 60.0
+    assert escrow.live() == {"b"}
+    clock.set(clock() - 10.0)  # the host's clock steps back; b dies at that moment
+    escrow.clock()  # a round reads the clock
+    clock.advance(5.0)
+    assert escrow.live() == set()  # 5 s without an answer (the horizon is 1.3 s)
+    assert round(peer.pull_due - escrow.clock(), 1) == 55.0
