@@ -97,11 +97,13 @@ def parse_listen(value: object, where: str) -> tuple[str, int]:
     if not isinstance(value, str) or ":" not in value:
         raise ConfigError(f"{where}: expected 'host:port' (or a bare port, on 127.0.0.1), got {value!r}")
     host, _, port_s = value.rpartition(":")
-    host = host.strip("[]")
-    try:
-        port = int(port_s)
-    except ValueError:
-        raise ConfigError(f"{where}: port must be a number, got {port_s!r}") from None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]  # an IPv6 address: [::1]:7400
+    elif ":" in host:  # '::1' would read as host ':' and port 1
+        raise ConfigError(f"{where}: an IPv6 address goes in brackets, '[::1]:7400', got {value!r}")
+    if not (port_s.isascii() and port_s.isdigit()):  # int() takes '+80', ' 80', '8_0' and other scripts' digits
+        raise ConfigError(f"{where}: port must be a number, got {port_s!r}")
+    port = int(port_s)
     if not host or any(c.isspace() for c in host) or not 0 <= port <= 65535:
         raise ConfigError(f"{where}: expected 'host:port' with a port from 0 to 65535, got {value!r}")
     return host, port

@@ -99,6 +99,20 @@ def test_a_bare_port_listens_on_loopback(tmp_path: Path, secret: bytes) -> None:
         load(tmp_path, data)
 
 
+@pytest.mark.parametrize(("value", "why"), [
+    ("::1", "an IPv6 address goes in brackets"),  # read as host ':' and port 1 before
+    ("127.0.0.1:\u0668\u0660", "port must be a number"),  # Arabic-Indic digits: int() took them as 80
+    ("127.0.0.1:+80", "port must be a number"),
+    ("127.0.0.1: 80", "port must be a number"),
+    ("127.0.0.1:8_0", "port must be a number"),
+])
+def test_a_listen_address_is_read_strictly(tmp_path: Path, secret: bytes, value: str, why: str) -> None:
+    data = valid()
+    data["region"]["listen"] = value
+    with pytest.raises(ConfigError, match=why):
+        load(tmp_path, data)
+
+
 def test_an_api_token_file_is_read_and_never_shown(tmp_path: Path, secret: bytes) -> None:
     (tmp_path / "api.token").write_text("tok-" + "x" * 28 + "\n")
     data = valid()
