@@ -125,3 +125,20 @@ async def test_an_agent_repairs_a_junk_key_in_a_round_and_counts_it(redis_server
         async with aiohttp.ClientSession() as http, http.get(rs["a"].agent.url + "/metrics") as resp:
             text = await resp.text()
         assert re.search(r"^geolimit_junk_keys_repaired_total 1\.0$", text, re.MULTILINE), text[:2000]
+
+
+async def test_an_outbox_whose_junk_time_was_deleted_gets_a_time(
+    region_a: tuple[AsyncLimiter, ReplicationStore], redis_client: redis.Redis
+) -> None:
+    """A junk ``#t:b`` (the time the oldest entry of b's outbox was queued) next to an empty
+    outbox: the first run moved the changes into the outbox, failed at the time, and the rerun
+    found nothing to queue, so the outbox was left without a time and b's lag read 0."""
+    limiter, store = region_a
+    key = _key(limiter, "#t:b")
+    redis_client.delete(key)
+    redis_client.hset(key, "x", "junk")
+    drained = await store.drain(peer_ages={"b": 0})
+    assert drained.junk == 1
+    assert redis_client.hlen(_key(limiter, "#o:b")) == 1
+    assert redis_client.type(key) == b"string"
+    assert drained.oldest_us.get("b") is not None

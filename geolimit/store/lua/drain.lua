@@ -82,8 +82,14 @@ local function run()
   taken = taken + took  -- a run that fails after this point took them all the same
   local out = {ARGV[2] .. '/' .. own, n - took, taken}
   for i = 1, npeers do
-    out[#out + 1] = call('HLEN', tag .. '#o:' .. names[i])
-    out[#out + 1] = tonumber(call('GET', tag .. '#t:' .. names[i])) or -1
+    local len = call('HLEN', tag .. '#o:' .. names[i])
+    local since = tonumber(call('GET', tag .. '#t:' .. names[i]))
+    if len > 0 and not since then  -- an outbox without its time (a junk one deleted): its age from now
+      call('SET', tag .. '#t:' .. names[i], fmt(now))
+      since = now
+    end
+    out[#out + 1] = len
+    out[#out + 1] = since or -1
   end
   return out
 end
