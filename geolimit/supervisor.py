@@ -167,16 +167,9 @@ class Supervisor:
     def check_listens(self) -> None:
         """Bind each of ``listens`` once and let it go (GeolimitError naming the one that fails):
         a worker that cannot bind its port would only crash, be restarted and crash again."""
-        from geolimit.http.listener import bind_sockets  # aiohttp: only the servers need it
+        from geolimit.http.listener import check_listens  # aiohttp: only the servers need it
 
-        for key, (host, port) in self.listens:
-            try:
-                sockets = bind_sockets(host, port)
-            except OSError as exc:
-                where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-                raise GeolimitError(f"{self.name}: cannot listen on {key} {where}: {exc}") from None
-            for sock in sockets:
-                sock.close()
+        check_listens(self.name, self.listens)
 
     async def start(self) -> None:
         """Start every worker (raises GeolimitError if a ``listens`` address cannot be bound,

@@ -19,14 +19,15 @@ import asyncio
 import contextlib
 import socket
 import ssl
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 from aiohttp import web
 
+from geolimit.errors import GeolimitError
 from geolimit.http.connections import ListenerGuard
 
-__all__ = ["KEEPALIVE_TIMEOUT", "bind_sockets", "listen", "run_event_loop"]
+__all__ = ["KEEPALIVE_TIMEOUT", "bind_sockets", "check_listens", "listen", "run_event_loop"]
 
 T = TypeVar("T")
 
@@ -127,6 +128,19 @@ class _Site(web.BaseSite):
     async def stop(self) -> None:
         await super().stop()
         self._guard.close()
+
+
+def check_listens(name: str, listens: Iterable[tuple[str, tuple[str, int]]]) -> None:
+    """Bind each ``(setting, (host, port))`` once and let it go: a GeolimitError naming ``name``,
+    the setting and the address that cannot be bound (a port another process holds)."""
+    for key, (host, port) in listens:
+        try:
+            sockets = bind_sockets(host, port)
+        except OSError as exc:
+            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise GeolimitError(f"{name}: cannot listen on {key} {where}: {exc}") from None
+        for sock in sockets:
+            sock.close()
 
 
 def run_event_loop(main: Coroutine[Any, Any, T]) -> T:

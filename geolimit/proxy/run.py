@@ -52,19 +52,9 @@ async def _reload(proxy: Proxy, path: str) -> None:
 def _check_listens(config: ProxyConfig) -> None:
     """Bind ``listen`` and ``admin_listen`` once and let them go: a GeolimitError naming the setting and the
     address that cannot be bound (a port another process holds), as the supervisor of several workers does."""
-    from geolimit.http.listener import bind_sockets
+    from geolimit.http.listener import check_listens
 
-    for key, address in config.listens:
-        if address is None:
-            continue
-        host, port = address
-        try:
-            sockets = bind_sockets(host, port)
-        except OSError as exc:
-            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            raise GeolimitError(f"proxy: cannot listen on {key} {where}: {exc}") from None
-        for sock in sockets:
-            sock.close()
+    check_listens("proxy", [(key, address) for key, address in config.listens if address is not None])
 
 
 async def _serve(config: ProxyConfig, path: str, worker_index: int | None = None) -> int:
