@@ -27,12 +27,12 @@ from typing import Literal
 
 from geolimit.core.decision import Decision
 from geolimit.core.rule import Rule
-from geolimit.errors import ConfigError, GeolimitError, RequestError, StorageError
+from geolimit.errors import ConfigError, RequestError
 from geolimit.http.guard import Decider, Guard, LimitSpec, RoutePolicy, Verdict
+from geolimit.http.guarded_decider import GuardedDecider
 from geolimit.http.headers import PROBLEM_TYPE, problem_body, problem_document
 from geolimit.http.keys import CostSpec, KeySpec, RequestInfo, Route, bounded_subject
 from geolimit.limiter import Limiter
-from geolimit.log_every import LogEvery
 
 __all__ = [
     "BoundedDecider",
@@ -49,40 +49,18 @@ __all__ = [
 log = logging.getLogger("geolimit.middleware")
 
 
-class BoundedDecider:
+class BoundedDecider(GuardedDecider):
     """Passes decisions on, hashing subjects over 4096 bytes (:func:`bounded_subject`).
 
     A decision that fails for a configuration problem (a rule the agent does not know,
     one removed from the limiter since, a window that disagrees with Redis) becomes a
     :class:`~geolimit.errors.StorageError`, logged at ERROR at most every 10 s, so
-    the limit fails by its ``on_error`` instead of answering 500, as in the proxy.
+    the limit fails by its ``on_error`` instead of answering 500, as in the proxy
+    (:class:`~geolimit.http.guarded_decider.GuardedDecider`).
     """
 
     def __init__(self, inner: Decider) -> None:
-        self.inner = inner
-        self.lines = LogEvery(log, level=logging.ERROR)
-
-    async def hit(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
-        try:
-            return await self.inner.hit(rules, bounded_subject(subject), cost)
-        except (StorageError, RequestError):
-            raise
-        except GeolimitError as exc:
-            raise self._misconfigured(rules, exc) from exc
-
-    async def peek(self, rules: str | Sequence[str], subject: str | bytes, cost: int = 1) -> Decision:
-        try:
-            return await self.inner.peek(rules, bounded_subject(subject), cost)
-        except (StorageError, RequestError):
-            raise
-        except GeolimitError as exc:
-            raise self._misconfigured(rules, exc) from exc
-
-    def _misconfigured(self, rules: str | Sequence[str], exc: GeolimitError) -> StorageError:
-        names = rules if isinstance(rules, str) else ", ".join(rules)
-        self.lines.warn("misconfigured", f"middleware: cannot decide rule(s) {names} (configuration problem)",
-                        str(exc), "request(s) could not be decided")
-        return StorageError(f"cannot decide rule(s) {names}: {exc}")
+        super().__init__(inner, log, prefix="middleware: ")
 
 
 class ThreadedDecider:
