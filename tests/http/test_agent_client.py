@@ -3,40 +3,26 @@ headers need (against a real agent on loopback and its own redis-server)."""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from geolimit import ManualClock, Rule
+from geolimit import Rule
 from geolimit.http.agent_client import AgentClient
 from geolimit.http.guard import Guard, LimitSpec, RoutePolicy
 from geolimit.http.headers import rate_limit_headers
 from geolimit.http.keys import RequestInfo, Route
 from geolimit.proxy.decider import ProxyDecider
-from geolimit.server.agent import Agent
-from geolimit.server.config import AgentConfig, PeerConfig
 from geolimit.store.embedded import EmbeddedRedis
-from tests.support.regions import dead_url
+from tests.support.agent_fixtures import agent_client
 
 RULES = (Rule("api", 5, 10, 1), Rule("burst", 2, 10, 1), *Rule.parse_many("multi", "4/hour;2/minute"))
 
 
 @pytest.fixture
 async def client(redis_server_factory: Callable[..., EmbeddedRedis]) -> AsyncIterator[AgentClient]:
-    server = redis_server_factory()
-    agent = Agent(AgentConfig(region="a", redis_url=server.url, listen=("127.0.0.1", 0),
-                              secret=secrets.token_bytes(32), peers=(PeerConfig("b", dead_url()),), rules=RULES,
-                              rule_groups={"multi": ("multi.1h", "multi.1m")}),
-                  clock=ManualClock(1_700_000_000.25))
-    await agent.listen()
-    made = AgentClient(agent.url)
-    try:
+    async with agent_client(redis_server_factory(), RULES, {"multi": ("multi.1h", "multi.1m")}) as made:
         yield made
-    finally:
-        await made.close()
-        await agent.abort()
-        server.stop()
 
 
 async def test_several_rules_in_one_call_and_peeks_that_consume_nothing(client: AgentClient) -> None:

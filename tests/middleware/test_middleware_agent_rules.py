@@ -4,20 +4,18 @@ mode; a request never answers 500 (it raised UnknownRuleError before): the limit
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 from aiohttp import web
 
-from geolimit import ConfigError, ManualClock, Rule
+from geolimit import ConfigError, Rule
 from geolimit.http.agent_client import AgentClient
 from geolimit.middleware import GeolimitMiddleware, policy, setup_geolimit
 from geolimit.middleware.asgi import Message, Receive, Scope, Send
 from geolimit.middleware.rules import check_agent_routes
-from geolimit.server.agent import Agent
-from geolimit.server.config import AgentConfig, PeerConfig
 from geolimit.store.embedded import EmbeddedRedis
+from tests.support.agent_fixtures import agent_client
 from tests.support.regions import dead_url
 
 RULES = (Rule("api", 5, 10, 1), *Rule.parse_many("multi", "4/hour;2/minute"))
@@ -25,19 +23,8 @@ RULES = (Rule("api", 5, 10, 1), *Rule.parse_many("multi", "4/hour;2/minute"))
 
 @pytest.fixture
 async def client(redis_server_factory: Callable[..., EmbeddedRedis]) -> AsyncIterator[AgentClient]:
-    server = redis_server_factory()
-    agent = Agent(AgentConfig(region="a", redis_url=server.url, listen=("127.0.0.1", 0),
-                              secret=secrets.token_bytes(32), peers=(PeerConfig("b", dead_url()),), rules=RULES,
-                              rule_groups={"multi": ("multi.1h", "multi.1m")}),
-                  clock=ManualClock(1_700_000_000.25))
-    await agent.listen()
-    made = AgentClient(agent.url)
-    try:
+    async with agent_client(redis_server_factory(), RULES, {"multi": ("multi.1h", "multi.1m")}) as made:
         yield made
-    finally:
-        await made.close()
-        await agent.abort()
-        server.stop()
 
 
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
