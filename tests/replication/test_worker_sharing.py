@@ -44,6 +44,13 @@ class TwoWorkers:
     rs: Regions
     workers: list[Agent]  # region a's worker 0 and worker 1, on one Redis
 
+    async def step_without_worker_1(self) -> None:
+        """One round of worker 0 and of b (worker 1 stopped), then the clock moves a round."""
+        await self.workers[0].step()
+        await self.rs["b"].agent.step()
+        assert isinstance(self.rs.clock, ManualClock)
+        self.rs.clock.advance(self.rs.interval)
+
     async def step(self, rounds: int) -> None:
         for _ in range(rounds):
             for worker in self.workers:
@@ -252,9 +259,7 @@ async def test_the_shards_of_a_worker_that_is_down_keep_their_peers_fresh(two_wo
     assert a.hit("closed", theirs).allowed
     assert isinstance(rs.clock, ManualClock)
     for _ in range(30):  # 3 s of rounds without worker 1
-        await first.step()
-        await rs["b"].agent.step()
-        rs.clock.advance(rs.interval)
+        await two_workers.step_without_worker_1()
         assert a.hit("closed", theirs).allowed
     assert first.engine is not None
     assert first.engine.takeover.orphans(first.engine.worker_stamps, rs.clock(), rs.interval, 0.25) != []
@@ -278,9 +283,7 @@ async def test_b_takes_a_as_current_only_while_every_worker_of_a_is_up(two_worke
     assert isinstance(rs.clock, ManualClock)
     allowed = []
     for _ in range(20):  # 2 s without worker 1
-        await first.step()
-        await rs["b"].agent.step()
-        rs.clock.advance(rs.interval)
+        await two_workers.step_without_worker_1()
         allowed.append(b.hit("closed", subject).allowed)
     assert first.engine is not None
     assert first.engine.workers_down == {1}

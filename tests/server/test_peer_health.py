@@ -76,6 +76,17 @@ def config(name: str, server: EmbeddedRedis, secret: bytes, peer: str, peer_url:
     return AgentConfig(**(options | overrides))
 
 
+async def start_pair(a: Agent, b: Agent, agents: list[Agent], b_names_a: str = "a") -> None:
+    """Start a and b, each with the other's URL (b knows a as ``b_names_a``)."""
+    agents += [a, b]
+    for agent in (a, b):
+        await agent.listen()
+    a.set_peer_url("b", b.url)
+    b.set_peer_url(b_names_a, a.url)
+    for agent in (a, b):
+        await agent.start()
+
+
 async def test_a_peer_refusing_our_signature_is_shown_counted_and_warned_once_per_period(
     redis_server_factory: Factory, agents: list[Agent], caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -84,13 +95,7 @@ async def test_a_peer_refusing_our_signature_is_shown_counted_and_warned_once_pe
     a = Agent(config("a", redis_server_factory(), secrets.token_bytes(32), "b", dead_url()), clock=clock)
     b_config = config("b", redis_server_factory(), secrets.token_bytes(32), "a", dead_url())  # another secret
     b = Agent(b_config, clock=clock)
-    agents += [a, b]
-    for agent in (a, b):
-        await agent.listen()
-    a.set_peer_url("b", b.url)
-    b.set_peer_url("a", a.url)
-    for agent in (a, b):
-        await agent.start()
+    await start_pair(a, b, agents)
 
     def warnings() -> list[str]:
         return [r.getMessage() for r in caplog.records if r.getMessage().startswith("region a: peer b refuses this region's signature")]
@@ -226,13 +231,7 @@ async def test_a_peer_that_names_this_region_otherwise_is_not_reported_as_a_wron
     secret = secrets.token_bytes(32)
     a = Agent(config("a", redis_server_factory(), secret, "b", dead_url()), clock=clock)
     b = Agent(config("b", redis_server_factory(), secret, "aa", dead_url()), clock=clock)
-    agents += [a, b]
-    for agent in (a, b):
-        await agent.listen()
-    a.set_peer_url("b", b.url)
-    b.set_peer_url("aa", a.url)
-    for agent in (a, b):
-        await agent.start()
+    await start_pair(a, b, agents, b_names_a="aa")
 
     async def refused() -> bool:
         clock.advance(0.11)
