@@ -52,8 +52,38 @@ MAX_WINDOW = 8
 VET_YIELD_BYTES = 256 * 1024
 
 #: Cells of peers' blobs that one trip of merge calls may carry (about 25 ms of Redis
-#: time): Redis runs a pipelined trip whole, so a decision waits behind one trip at most.
+#: time): Redis runs a pipelined trip whole, so a decision waits behind whole trips,
+#: MERGE_TRIPS_IN_FLIGHT at most.
 MERGE_TRIP_CELLS = 4096
+#: Trips of merge calls one agent process has in Redis at once. One was too few: a trip
+#: under load takes about 100 ms, mostly waiting its turn, so one at a time merged slower
+#: than three loaded regions wrote (bench/soak.py's lag grew by about 1 s every second);
+#: two keep up there, and a decision waits behind two trips at most (bench/flood.py).
+MERGE_TRIPS_IN_FLIGHT = 2
+#: What one merge call costs Redis besides its cells (its arguments, the registry), in
+#: cells: a trip of small blobs carries at most MERGE_TRIP_CELLS / this many calls.
+MERGE_CALL_CELLS = 16
+
+
+def merge_trips(cells: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive calls (``cells[i]`` cells each) grouped into trips of at most
+    MERGE_TRIP_CELLS, counting MERGE_CALL_CELLS per call; a bigger call goes alone.
+
+    Sized by each trip's own cells: sizing every trip by a message's biggest blob
+    sent a message of 64 small blobs and one of 2,000 cells in 32 trips instead of
+    two, and one trip at a time could not keep up with a loaded link (bench/soak.py).
+    """
+    trips: list[tuple[int, int]] = []
+    start, load = 0, 0
+    for i, n in enumerate(cells):
+        cost = n + MERGE_CALL_CELLS
+        if i > start and load + cost > MERGE_TRIP_CELLS:
+            trips.append((start, i))
+            start, load = i, 0
+        load += cost
+    if start < len(cells):
+        trips.append((start, len(cells)))
+    return trips
 
 
 class ReplicationStore:
@@ -87,9 +117,10 @@ class ReplicationStore:
         self.peers = list(peers)
         self._regions = [region.encode(), *(p.encode() for p in self.peers)]
         self._allowed = frozenset(self._regions)
-        # One trip of merge calls at a time, whatever the number of messages being merged
-        # (peers' deltas, anti-entropy, unparking): decisions never queue behind several.
-        self._merge_gate = asyncio.Lock()
+        # At most MERGE_TRIPS_IN_FLIGHT trips of merge calls at a time, whatever the number
+        # of messages being merged (peers' deltas, anti-entropy, unparking): decisions
+        # never queue behind more than that.
+        self._merge_gate = asyncio.Semaphore(MERGE_TRIPS_IN_FLIGHT)
         self.set_rules(rules)
 
     def set_rules(self, rules: Mapping[str, Rule]) -> None:
@@ -280,8 +311,10 @@ class ReplicationStore:
             return [[b"1", self._registry(shard), *head, blob, *tail] for shard, blob in bodies]
 
         checks: list[Blob] = []
+        check_cells: list[int] = []  # per check: the cells merge.lua looks at in it
+        blob_cells: list[int] = []
         slot_ids: dict[int, dict[bytes, None]] = {}  # shard -> the slot ids of its blobs, in order
-        vetted_bytes, most_cells = 0, 1
+        vetted_bytes = 0
         for shard, blob in blobs:
             # Vetting is Python work (about 27 ms per MB): a big message yields the loop
             # every VET_YIELD_BYTES, so decisions do not wait behind it.
@@ -295,7 +328,7 @@ class ReplicationStore:
                 vetted = vet_blob(blob, self._allowed, lim.blob_cells, lim.max_slots, shard, self.layout.shards)
             except ProtocolError as exc:
                 raise ProtocolError(f"refused cells for shard {shard}: {exc}") from None
-            most_cells = max(most_cells, vetted.cells)
+            blob_cells.append(vetted.cells)
             # What needs Redis state is checked there before anything is written: for a
             # blob with this region's slots, claims on its own current slot (every cell);
             # and, per shard, the registry with the slot ids of all the message's blobs
@@ -303,6 +336,7 @@ class ReplicationStore:
             # each fit cannot fill the registry or pass the new-id cap together.
             if self._region_b in vetted.regions:
                 checks.append((shard, blob))
+                check_cells.append(vetted.cells)
             union = slot_ids.setdefault(shard, {})
             for slot_id in vetted.slots:
                 union.setdefault(slot_id, None)
@@ -310,8 +344,8 @@ class ReplicationStore:
             if len(ids) > lim.max_slots:
                 raise ProtocolError(f"refused cells for shard {shard}: too many slot ids in one message")
             checks.append((shard, pack_blob(list(ids), (), (), ())))
-        per_trip = max(1, MERGE_TRIP_CELLS // most_cells)
-        for (shard, _), reply in zip(checks, checked_replies(await self._merge_trips(calls(b"0", checks), per_trip)),
+            check_cells.append(0)
+        for (shard, _), reply in zip(checks, checked_replies(await self._merge_trips(calls(b"0", checks), check_cells)),
                                      strict=True):
             if int(reply[0]) != 1:
                 raise ProtocolError(f"refused cells for shard {shard}: {reply[1].decode(errors='replace')}")
@@ -319,7 +353,7 @@ class ReplicationStore:
             await admit()
         out = MergeResult()
         # b"2": the blobs the b"0" calls accepted, so merge.lua skips the per-cell type checks.
-        for (shard, _), reply in zip(blobs, checked_replies(await self._merge_trips(calls(b"2", blobs), per_trip)),
+        for (shard, _), reply in zip(blobs, checked_replies(await self._merge_trips(calls(b"2", blobs), blob_cells)),
                                      strict=True):
             if int(reply[0]) != 1:
                 # Only a change since the checks (a concurrent merge filled the registry) can
@@ -332,12 +366,12 @@ class ReplicationStore:
                 self.parked.note(shard, int(reply[9]))
         return out
 
-    async def _merge_trips(self, calls: list[list[bytes]], per_trip: int) -> list[Any]:
-        """merge.lua ``calls``, ``per_trip`` at a time, each trip under the merge gate."""
+    async def _merge_trips(self, calls: list[list[bytes]], cells: list[int]) -> list[Any]:
+        """merge.lua ``calls`` (``cells[i]`` cells in call i) in trips under the merge gate."""
         replies: list[Any] = []
-        for start in range(0, len(calls), per_trip):
+        for start, end in merge_trips(cells):
             async with self._merge_gate:
-                replies += await self.store.run_many(_MERGE, calls[start : start + per_trip], per_trip)
+                replies += await self.store.run_many(_MERGE, calls[start:end], end - start)
         return replies
 
     # -- whole-window reads (anti-entropy, the demo) ------------------------------
