@@ -108,6 +108,8 @@ def _count(metrics: ProxyMetrics, route: str, policy: RoutePolicy, verdict: Verd
         elif rule in denied:
             denied.remove(rule)
             result = "denied"
+        elif not verdict.allowed:
+            continue  # all-or-nothing: another limit refused the request, this one admitted nothing
         else:
             result = "allowed"
         metrics.decision(route, rule, result)

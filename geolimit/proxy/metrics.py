@@ -2,7 +2,8 @@
 
 ========================================================  =============================================
 ``geolimit_proxy_decisions_total{route,rule,result}``     per limit: allowed, denied, shadow_denied,
-                                                          error_allow, error_deny (Redis/agent down)
+                                                          error_allow, error_deny (Redis/agent down);
+                                                          a refused request counts no "allowed"
 ``geolimit_proxy_responses_total{route,code}``            responses sent, by route template and status
 ``geolimit_proxy_upstream_seconds{upstream}``             request sent -> response headers (histogram)
 ``geolimit_proxy_upstream_errors_total{upstream,kind}``   connect, timeout, protocol, body_aborted

@@ -249,3 +249,12 @@ class ProxyProcess(CliProcess):
 async def get_json(session: aiohttp.ClientSession, url: str, **kwargs: Any) -> tuple[int, Any]:
     async with session.get(url, **kwargs) as resp:
         return resp.status, json.loads(await resp.read())
+
+
+async def metric_lines(session: aiohttp.ClientSession, admin_url: str, prefix: str) -> dict[str, float]:
+    """The proxy's /metrics samples whose lines start with ``prefix``: {name and labels: value}."""
+    async with session.get(admin_url + "/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}

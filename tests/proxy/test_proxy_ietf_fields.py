@@ -4,6 +4,7 @@ denials that no wait can lift (real upstream, real Redis)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import aiohttp
@@ -12,7 +13,7 @@ import pytest
 import redis
 
 from geolimit import Limiter, Rule
-from tests.proxy.helpers import StartProxy, Upstream, proxy_config
+from tests.proxy.helpers import StartProxy, Upstream, metric_lines, proxy_config
 from tests.support.regions import dead_url
 
 QUOTA_EXCEEDED = "https://iana.org/assignments/http-problem-types#quota-exceeded"
@@ -59,6 +60,13 @@ async def test_a_request_denied_by_burst_does_not_consume_api(
     assert statuses == [200, 200, 429, 429]
     assert [name for name, _ in sf_list(last.headers["RateLimit"])] == ["api", "burst"]
     assert usage(redis_url, Rule("api", 5, 60)) == 2, "the two denied requests left api untouched"
+    counted = {}
+    for key, n in (await metric_lines(session, proxy.admin_url or "", "geolimit_proxy_decisions_total")).items():
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', key))
+        if labels["route"] == "/both":
+            counted[labels["rule"], labels["result"]] = n
+    assert counted == {("api", "allowed"): 2, ("burst", "allowed"): 2, ("burst", "denied"): 2}, \
+        "a request that burst refused was admitted by nothing, so api counts no 'allowed' for it"
     # Different costs (a request count and body bytes): peeked first, consumed only if all allow.
     async with session.post(proxy.url + "/mixed", data=b"x" * 60) as resp:
         assert resp.status == 200

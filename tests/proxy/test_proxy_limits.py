@@ -11,7 +11,7 @@ import http_sfv
 import pytest
 import redis
 
-from tests.proxy.helpers import StartProxy, Upstream, proxy_config
+from tests.proxy.helpers import StartProxy, Upstream, metric_lines, proxy_config
 
 
 def sf_list(value: str) -> list[tuple[str, dict[str, Any]]]:
@@ -36,14 +36,6 @@ def api_config(upstream: Upstream, redis_url: str, **proxy: Any) -> dict[str, An
         ],
         **proxy,
     )
-
-
-async def metric_lines(session: aiohttp.ClientSession, admin_url: str, prefix: str) -> dict[str, float]:
-    async with session.get(admin_url + "/metrics") as resp:
-        assert resp.status == 200
-        text = await resp.text()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith(prefix)}
 
 
 async def test_five_per_ten_seconds_then_429_with_structured_ratelimit_fields(
