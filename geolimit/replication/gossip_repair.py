@@ -215,5 +215,6 @@ class AntiEntropyDriver:
         if last is not None:
             out.update(seconds=round(last.seconds, 3), keys_scanned=last.keys_scanned,
                        keys_differing=last.keys_differing, cells_received=last.cells_received,
-                       cells_sent=last.cells_sent, truncated=last.truncated, settle=last.settle)
+                       cells_sent=last.cells_sent, truncated=last.truncated, settle=last.settle,
+                       keys_skipped=last.keys_skipped)
         return out

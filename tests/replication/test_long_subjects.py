@@ -203,6 +203,8 @@ async def test_a_region_holding_a_subject_over_4096_bytes_still_completes_anti_e
     engine = rs["a"].agent.engine
     assert engine is not None
     assert engine.repair.last["b"].keys_skipped == 1  # a's own; b left its own out of its listing
+    status = rs["a"].agent.status()["peers"]["b"]["anti_entropy"]
+    assert status["keys_skipped"] == 1, "/v1/status shows the keys the last exchange skipped"
     assert _ae(rs, "a").stats["keys_skipped"] == 1
     assert _ae(rs, "b").stats["keys_skipped"] == 1
 
