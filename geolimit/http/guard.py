@@ -219,6 +219,7 @@ class Guard:
     def _record(self, groups: list[list[_Planned]], decided: list[Decision | StorageError],
                 verdict: Verdict) -> list[tuple[RuleDecision, QuotaUnit]]:
         shown: list[tuple[RuleDecision, QuotaUnit]] = []
+        allowing: list[str] = []
         for group, outcome in zip(groups, decided, strict=True):
             per = None if isinstance(outcome, StorageError) else self._per_limit(group, outcome)
             if per is None:
@@ -227,11 +228,14 @@ class Guard:
             for p, results in zip(group, per, strict=True):
                 shown += [(result, p.unit) for result in results]
                 if all(r.allowed for r in results):
-                    self._count(p.limit.rule, "allowed")
+                    allowing.append(p.limit.rule)
                 else:
                     verdict.allowed = False
                     verdict.denied_by.append(p.limit.rule)
                     self._count(p.limit.rule, "denied")
+        if verdict.allowed:  # all-or-nothing: a refused request was admitted by none of its limits
+            for rule in allowing:
+                self._count(rule, "allowed")
         return shown
 
     def _failed(self, group: Sequence[_Planned], outcome: Decision | StorageError, verdict: Verdict,

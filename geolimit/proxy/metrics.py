@@ -3,7 +3,8 @@
 ========================================================  =============================================
 ``geolimit_proxy_decisions_total{route,rule,result}``     per limit: allowed, denied, shadow_denied,
                                                           error_allow, error_deny (Redis/agent down);
-                                                          a refused request counts no "allowed"
+                                                          a refused request counts no "allowed" (all-
+                                                          or-nothing); a failed limit counts its error_*
 ``geolimit_proxy_responses_total{route,code}``            responses sent, by route template and status
 ``geolimit_proxy_upstream_seconds{upstream}``             request sent -> response headers (histogram)
 ``geolimit_proxy_upstream_errors_total{upstream,kind}``   connect, timeout, protocol, body_aborted

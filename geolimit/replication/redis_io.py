@@ -58,7 +58,8 @@ MERGE_TRIP_CELLS = 4096
 #: Trips of merge calls one agent process has in Redis at once. One was too few: a trip
 #: under load takes about 100 ms, mostly waiting its turn, so one at a time merged slower
 #: than three loaded regions wrote (bench/soak.py's lag grew by about 1 s every second);
-#: two keep up there, and a decision waits behind two trips at most (bench/flood.py).
+#: two keep up there, and a decision waits behind two trips of each agent process at most
+#: (bench/flood.py; with ``--workers N``, 2N).
 MERGE_TRIPS_IN_FLIGHT = 2
 #: What one merge call costs Redis besides its cells (its arguments, the registry), in
 #: cells: a trip of small blobs carries at most MERGE_TRIP_CELLS / this many calls.
@@ -70,8 +71,9 @@ def merge_trips(cells: Sequence[int]) -> list[tuple[int, int]]:
     MERGE_TRIP_CELLS, counting MERGE_CALL_CELLS per call; a bigger call goes alone.
 
     Sized by each trip's own cells: sizing every trip by a message's biggest blob
-    sent a message of 64 small blobs and one of 2,000 cells in 32 trips instead of
-    two, and one trip at a time could not keep up with a loaded link (bench/soak.py).
+    sent a message of 63 small blobs and one of 2,000 cells in 32 trips a pass (64 in
+    all) instead of one, and one trip at a time could not keep up with a loaded link
+    (bench/soak.py).
     """
     trips: list[tuple[int, int]] = []
     start, load = 0, 0

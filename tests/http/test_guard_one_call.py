@@ -82,6 +82,9 @@ async def test_the_same_verdicts_and_counters_as_the_general_path(
     assert allowed  # both outcomes compared
     assert denied
     assert fast.counters == slow.counters
+    # /two/*: burst (3) admits 3 of the 10 requests; all-or-nothing, api admits only those 3.
+    assert fast.counters[("api", "allowed")] == 3
+    assert ("api", "denied") not in fast.counters
 
 
 async def test_storage_down_each_limit_by_its_on_error() -> None:
