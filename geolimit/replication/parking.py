@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from geolimit.errors import ProtocolError
+from geolimit.errors import ProtocolError, StorageError
 from geolimit.replication.blob_format import pack_blob
 from geolimit.store.async_store import checked_replies
 from geolimit.store.scripts import load_script
@@ -69,11 +69,19 @@ class ParkedCells:
             if len(reply) > 1:
                 blobs.append((shard, parked_blob(reply[1:])))
         merged = 0
-        for blob in blobs:
-            try:
-                merged += (await store.merge_blobs([blob], store.region, relay_to)).cells
-            except ProtocolError as exc:  # e.g. the slot registry filled up meanwhile
-                log.warning("region %s: parked cells of shard %d could not be merged: %s", store.region, blob[0], exc)
+        for blob in blobs:  # out of parking now: each is merged (or given up) on its own
+            for attempt in (1, 2):
+                try:
+                    merged += (await store.merge_blobs([blob], store.region, relay_to)).cells
+                    break
+                except ProtocolError as exc:  # e.g. the slot registry filled up meanwhile
+                    log.warning("region %s: parked cells of shard %d could not be merged: %s",
+                                store.region, blob[0], exc)
+                    break
+                except StorageError as exc:  # a concurrent merge changed the registry; Redis away
+                    if attempt == 2:
+                        log.warning("region %s: parked cells of shard %d could not be merged (anti-entropy "
+                                    "repairs them from the peers): %s", store.region, blob[0], exc)
         return merged
 
     async def find(self) -> None:

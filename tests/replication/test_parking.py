@@ -10,12 +10,15 @@ bucket comes within the tolerance, instead of dropping them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
+import pytest
 
 from geolimit import ManualClock, Rule
 from geolimit.core.keys import KeyLayout
 from geolimit.core.window import SUBSTEPS
+from geolimit.errors import StorageError
 from geolimit.replication import wire
 from geolimit.replication.auth import Signer
 from geolimit.replication.redis_io import blobs_from_cells
@@ -108,3 +111,38 @@ async def test_a_parked_cell_is_relayed_once_due_to_a_peer_its_sender_cannot_rea
         clock.advance(2 * API.resolution)  # its bucket is the current one
         assert rs["b"].app().usage("api", "s").by_slot == {"a/x": 7}
         assert rs["c"].app().usage("api", "s").by_slot == {"a/x": 7}
+
+
+async def test_a_parked_blob_whose_merge_fails_once_is_merged_and_the_others_too(
+    redis_server_factory: Factory, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """unpark.lua takes due cells out of parking before they are merged: a merge that fails
+    (the registry changed since its checks, Redis briefly away) must not lose them, nor
+    the other shards' cells due in the same round. Before, the first StorageError ended
+    the release and every cell it had taken out waited for anti-entropy."""
+    async with Regions(redis_server_factory, ["a", "b"], [API], run_loops=False) as rs:
+        clock = rs.clock
+        assert isinstance(clock, ManualClock)
+        await rs.step(names=["b"])
+        layout = KeyLayout()
+        subjects = [b"s", *(b"t%d" % i for i in range(64) if layout.shard_of(b"t%d" % i) != layout.shard_of(b"s"))][:2]
+        c0 = clock.now_us() // API.resolution_us
+        for subject in subjects:
+            await _merge(rs, [(c0 + 5, "a/x", 7)], subject)
+        engine = rs["b"].agent.engine
+        assert engine is not None
+        merge_blobs, failed = engine.store.merge_blobs, []
+
+        async def failing_once(*args: Any, **kwargs: Any) -> Any:
+            if not failed:
+                failed.append(True)
+                raise StorageError("cells for shard 1 not merged (Redis changed since they were checked)")
+            return await merge_blobs(*args, **kwargs)
+
+        monkeypatch.setattr(engine.store, "merge_blobs", failing_once)
+        clock.advance(3 * API.resolution)
+        await rs.step(names=["b"])
+        clock.advance(2 * API.resolution)
+        assert failed
+        for subject in subjects:
+            assert rs["b"].app().usage("api", subject.decode()).by_slot == {"a/x": 7}, subject
