@@ -74,6 +74,7 @@ async def test_three_big_messages_are_merged_a_few_short_trips_at_a_time_and_com
     await asyncio.gather(*(store.merge_blobs(blobs, peer, relay_to=[]) for peer, blobs in messages))
 
     assert most_at_once <= MERGE_TRIPS_IN_FLIGHT, f"{most_at_once} trips of merge calls were in Redis at once"
+    assert most_at_once == MERGE_TRIPS_IN_FLIGHT, "the messages' trips never overlapped"
     assert sum(trips) == 18_000
     assert max(trips) <= MERGE_TRIP_CELLS, trips
     for subject in (b"s0", b"s2999", b"s5999"):
