@@ -17,6 +17,7 @@ reloaded at any time).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -185,9 +186,17 @@ def window_label(seconds: float) -> str:
     return f"{micros}us"
 
 
+def _number(seconds: float) -> str:
+    return str(int(seconds)) if float(seconds).is_integer() else repr(seconds)
+
+
 def _to_us(seconds: float, what: str, rule: str) -> int:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise ConfigError(f"rule {rule!r}: {what} must be a number of seconds, got {seconds!r}")
+        hint = ""
+        if isinstance(seconds, str):
+            with contextlib.suppress(ConfigError):
+                hint = f" (write {_number(parse_duration(seconds))}, or use Rule.from_string for rate strings)"
+        raise ConfigError(f"rule {rule!r}: {what} must be a number of seconds, got {seconds!r}{hint}")
     if not math.isfinite(seconds) or seconds <= 0:
         raise ConfigError(f"rule {rule!r}: {what} must be a positive number of seconds, got {seconds!r}")
     micros = round(seconds * 1_000_000)

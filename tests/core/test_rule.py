@@ -66,6 +66,8 @@ def test_window_must_be_a_multiple_of_the_resolution() -> None:
         ({"name": "r", "limit": 1, "window": 0}, "positive number of seconds"),
         ({"name": "r", "limit": 1, "window": float("nan")}, "positive number of seconds"),
         ({"name": "r", "limit": 1, "window": "10"}, "must be a number of seconds"),
+        ({"name": "r", "limit": 1, "window": "10s"}, r"got '10s' \(write 10, or use Rule.from_string for rate"),
+        ({"name": "r", "limit": 1, "window": 60, "resolution": "1m"}, r"resolution .* \(write 60, "),
         ({"name": "r", "limit": 1, "window": 1, "resolution": 0.0001}, "below the minimum of 1 ms"),
         ({"name": "r", "limit": 1, "window": 86400, "resolution": 1}, "buckets per window"),
         ({"name": "r", "limit": 1, "window": 1, "mode": "fuzzy"}, "mode must be"),
