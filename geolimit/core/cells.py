@@ -151,8 +151,9 @@ def read_key(
     floors: dict[int, int] = {}
     stale: list[bytes] = []
     for name, raw in fields.items():
-        if name in (b"h", b"e", b"u") or name[:1] == b"p":
-            # the head, the expiry mark, this region's own recent admissions, a peer's last rise (common.lua)
+        if name in (b"h", b"e", b"u", b"l") or name[:1] == b"p":
+            # the head, the expiry mark, this region's own recent admissions, the low mark (merge.lua),
+            # a peer's last rise (common.lua)
             continue
         f = parse_stored_int(name, signed=True)
         if f is None:

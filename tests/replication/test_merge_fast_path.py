@@ -49,14 +49,15 @@ async def stores(redis_url: str, redis_client: redis.Redis) -> AsyncIterator[tup
 
 def _state(client: redis.Redis, prefix: bytes) -> dict[bytes, dict[bytes, bytes]]:
     """Every hash of a prefix (data keys, outboxes, registries) by name, and the data keys
-    that outboxes name, without the prefix. Left out: expiry marks (``e``), which come from Redis's own clock, and this
+    that outboxes name, without the prefix. Left out: expiry marks (``e``), which come from Redis's own clock, low
+    marks (``l``: each path keeps its own lower bound, checked by ``tests/replication/test_low_mark.py``), and this
     region's own incarnation in the registries (``@``, ``r/...``), made at random."""
     out = {}
     for key in client.scan_iter(match=prefix + b":*"):
         if client.type(key) == b"hash":
             fields = client.hgetall(key).items()
             out[key[len(prefix):]] = {f.removeprefix(prefix + b":"): v for f, v in fields  # outboxes name keys
-                                      if f not in (b"e", b"@") and not f.startswith(b"r/")}
+                                      if f not in (b"e", b"l", b"@") and not f.startswith(b"r/")}
     return out
 
 

@@ -131,11 +131,11 @@ local function load_window(key, c, N, M, per_slot, approx, flat)
   for d = 0, N do firsts[d] = SUB end
   local rises = per_slot and {} or nil
   if n == 0 then return sums, nil, nil, 0, {}, slots, firsts, nil, rises end
-  local h, e, u
+  local h, e, u, l
   for i = 1, n, 2 do
     local fs = flat[i]
     if fs == 'h' then h = tonumber(flat[i + 1]) elseif fs == 'e' then e = tonumber(flat[i + 1])
-    elseif fs == 'u' then u = flat[i + 1] end
+    elseif fs == 'u' then u = flat[i + 1] elseif fs == 'l' then l = tonumber(flat[i + 1]) end
   end
   if not h then h = c end
   local stale, futs, floors = {}, nil, nil
@@ -208,7 +208,7 @@ local function load_window(key, c, N, M, per_slot, approx, flat)
       end
     end
   end
-  return sums, futs, h, own, stale, slots, firsts, e, rises, u
+  return sums, futs, h, own, stale, slots, firsts, e, rises, u, l
 end
 
 -- Approximate mode: the share of the oldest bucket still inside the window ending

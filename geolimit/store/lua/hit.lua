@@ -186,7 +186,7 @@ for _ = 1, tonumber(ARGV[4]) do
       local partition = tonumber(ARGV[ai + 7])
       local c = bucket(gnow, res)
       local watch = predict or partition > 0
-      local sums, futs, h, own, stale, slots, firsts, e, rises, u = load_window(KEYS[ki + j - 1], c, N, M, watch, approx,
+      local sums, futs, h, own, stale, slots, firsts, e, rises, u, low = load_window(KEYS[ki + j - 1], c, N, M, watch, approx,
                                                                                   read_flat(KEYS[ki + j - 1]))
       local reserve, closed, predicted, ends, falls = 0, false, 0, 0, nil
       local after = tonumber(ARGV[ai + 8])
@@ -213,7 +213,7 @@ for _ = 1, tonumber(ARGV[4]) do
       end
       rs[j] = {sums = sums, futs = futs, N = N, limit = limit, res = res, approx = approx, c = c, M = M, ttl = ttl,
                h = h, own = own, stale = stale, reserve = reserve, closed = closed, firsts = firsts, e = e,
-               predicted = predicted, ends = ends, falls = falls, uq = uq, ucs = ucs, after = after}
+               predicted = predicted, ends = ends, falls = falls, uq = uq, ucs = ucs, after = after, low = low}
     end
     ai = ai + 10
   end
@@ -260,6 +260,8 @@ for _ = 1, tonumber(ARGV[4]) do
         else
           hset(key, fmt(c % M), fmt(value))
         end
+        -- the low mark (merge.lua): no cell below it; a clock behind the one that set it lowers it
+        if r.low and c < r.low then hset(key, 'l', fmt(c)) end
         if track then call('HSETNX', chg, key, fmt(c)) end
       end
     end

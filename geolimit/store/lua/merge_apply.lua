@@ -40,7 +40,11 @@ for i = 1, n do
       local h, e = nil, nil  -- the key's head and expiry mark (its decimal string)
       local whole = not dense and spec[8]
       local stale = nil  -- fields of the ring positions a moving head passes over
+      -- the low mark to write (see merge_one): at most the oldest bucket of a field kept;
+      -- ls0 the stored one
+      local low, ls0 = nil, nil
       if whole then
+        low = c - F
         local flat = call('HGETALL', key)
         local nf = #flat
         if nf > 64 then dense = true end
@@ -87,13 +91,22 @@ for i = 1, n do
               stale[#stale + 1] = name
             elseif name == 'e' then
               e = flat[x + 1]
-            elseif k == 1 then
-              if name == n1 then sv[1] = nums[flat[x + 1]]
-              elseif name == n2 then sw[1] = nums[flat[x + 1]] end
+            elseif name == 'l' then
+              ls0 = flat[x + 1]
             else
-              local q = want[name]
-              if q then
-                if q > 0 then sv[q] = nums[flat[x + 1]] else sw[-q] = nums[flat[x + 1]] end
+              if k == 1 then
+                if name == n1 then sv[1] = nums[flat[x + 1]]
+                elseif name == n2 then sw[1] = nums[flat[x + 1]] end
+              else
+                local q = want[name]
+                if q then
+                  if q > 0 then sv[q] = nums[flat[x + 1]] else sw[-q] = nums[flat[x + 1]] end
+                end
+              end
+              local g = gnum[name]
+              if g then
+                local kb = h - (h - g % M) % M
+                if kb < low then low = kb end
               end
             end
           end
@@ -103,6 +116,8 @@ for i = 1, n do
               want[fnames[-cf[q] - 1]] = nil
             end
           end
+        elseif nf > 0 then
+          low = nil  -- fields but no head: leave the key without a low mark
         end
       else
         local fields = {'h'}
@@ -111,8 +126,9 @@ for i = 1, n do
           fields[2 * q + 1] = fnames[-cf[q] - 1]
         end
         fields[2 * k + 2] = 'e'
+        fields[2 * k + 3] = 'l'
         local got = hmget_all(key, fields)
-        h, e = tonumber(got[1]), got[2 * k + 2]
+        h, e, ls0 = tonumber(got[1]), got[2 * k + 2], got[2 * k + 3]
         if h then
           for q = 1, k do
             local b = cb[q]
@@ -127,7 +143,7 @@ for i = 1, n do
       if h and newh > h then
         if newh - h >= M then
           call('DEL', key)
-          h, e = nil, nil
+          h, e, ls0, low = nil, nil, nil, c - F
           for q = 1, k do sv[q], sw[q] = 0, 0 end
         elseif whole then
           if stale then chunked('HDEL', key, stale, 1000) end
@@ -181,6 +197,15 @@ for i = 1, n do
         end
         nr = 0
       end
+      if lowest then
+        if low then
+          if lowest < low then low = lowest end
+        elseif ls0 and h then  -- read by name: only ever lower the stored mark
+          local l = tonumber(ls0)
+          if l and lowest < l then low = lowest end
+        end
+      end
+      if low and (h or lowest) and fnames[low] ~= ls0 then write[nw + 1], write[nw + 2], nw = 'l', fnames[low], nw + 2 end
       -- A key that does not exist and gains nothing is not created.
       if h or lowest then
         if nw == 2 then call('HSET', key, write[1], write[2])  -- the usual sizes, without unpack()

@@ -129,6 +129,19 @@ end})
 -- The usual key: one cell, within the window, read whole. The same writes as the
 -- general loop below (tests/replication/test_merge_matches_model.py), with fewer
 -- table operations: false if the key is not such a key.
+-- gnum[name]: a field name's cell number (value or floor field alike), false for other names.
+local gnum = setmetatable({}, {__index = function(cache, s)
+  local g = tonumber(s)
+  if g and g < 0 then g = -g - 1 end
+  cache[s] = g or false
+  return g or false
+end})
+-- lnums[s]: a stored low mark's number, false if it is not one.
+local lnums = setmetatable({}, {__index = function(cache, s)
+  local l = tonumber(s) or false
+  cache[s] = l
+  return l
+end})
 local prefix = tag .. ':'
 local function merge_one(i, o, spec)
   local b, r = cells[o + 1], cells[o + 2]
@@ -137,10 +150,77 @@ local function merge_one(i, o, spec)
   local M = spec[3]
   local f = idx[r + 1] * M + b % M
   local key = prefix .. keys[i]
+  local fv, fw = fnames[f], fnames[-f - 1]
+  -- The low mark 'l' says no cell field lies below bucket l: a head that moves to b
+  -- with b - M < l passes over no stored field, and the cell's own position then
+  -- holds nothing, so the key need not be read whole (design section 2).
+  local got = call('HMGET', key, 'h', 'l', 'e')
+  local hs, ls, es = got[1], got[2], got[3]
+  local h, l, fast = nil, nil, false
+  if not hs then  -- (a missing field is false in Lua)
+    fast = not ls and not es  -- no head: a new key
+  elseif ls then
+    if hs == fnames[b] then h = b elseif hs == fnames[b - 1] then h = b - 1 else h = tonumber(hs) end
+    l = lnums[ls]  -- (cached: the keys of a blob share a few)
+    fast = h and l and (b <= h or (b - M < l and b - h < M)) or false
+  end
+  if fast then
+    local v0, w0 = 0, 0
+    if h and b <= h and b > h - M then
+      local had = call('HMGET', key, fv, fw)
+      v0, w0 = nums[had[1] or '0'], nums[had[2] or '0']
+    end
+    local nw, mark, newh = 0, nil, h
+    if not h or b > h then
+      newh = b
+      write[1], write[2], nw = 'h', fnames[b], 2
+      mark = mark_for(es, spec[5])
+      if mark then write[3], write[4], nw = 'e', fmt(mark), 4 end
+    end
+    local lowest = nil
+    if b <= newh - M then
+      old = old + 1
+    else
+      local v, w = cells[o + 3], cells[o + 4]
+      if v > v0 or w > w0 then
+        if v < v0 then v = v0 end
+        if w < w0 then w = w0 end
+        inc = inc + 1
+        lowest = b
+        if not h then
+          local low = c - spec[4]
+          if b < low then low = b end
+          write[nw + 1], write[nw + 2], nw = 'l', fnames[low], nw + 2
+        elseif b < l then
+          write[nw + 1], write[nw + 2], nw = 'l', fnames[b], nw + 2
+        end
+        if stamp and spec[9] and v > v0 and f >= M then  -- a peer slot's count may have risen (floors applied)
+          local add = counted(v, w) - counted(v0, w0)
+          if add > 0 then write[nw + 1], write[nw + 2], nw = pnames[(f - f % M) / M], risen[add], nw + 2 end
+        end
+        if v > 0 then write[nw + 1], write[nw + 2], nw = fv, fnames[v], nw + 2 end
+        if w > 0 then write[nw + 1], write[nw + 2], nw = fw, fnames[w], nw + 2 end
+      end
+    end
+    if h or lowest then  -- a key that does not exist and gains nothing is not created
+      if nw == 6 then call('HSET', key, write[1], write[2], write[3], write[4], write[5], write[6])
+      elseif nw == 4 then call('HSET', key, write[1], write[2], write[3], write[4])
+      elseif nw > 0 then call('HSET', key, unpack(write, 1, nw)) end
+      if mark then arm_expiry(key, mark) end
+    end
+    if lowest and relaying then
+      queued[#queued + 1] = key
+      queued[#queued + 1] = fmt(-lowest - 1)
+      nq = nq + 1
+    end
+    return true
+  end
   local flat = call('HGETALL', key)
   local nf = #flat
   if nf > 64 then dense = true end
   local h, e, v0, w0, stale = nil, nil, 0, 0, nil
+  local low = c - spec[4]  -- the low mark to write: at most the oldest bucket of a field kept
+  local ls0 = nil  -- the stored low mark
   if nf > 0 then
     local hs = nil
     if flat[1] == 'h' then hs = flat[2] else
@@ -174,16 +254,26 @@ local function merge_one(i, o, spec)
         stale = stale or {}
         stale[#stale + 1] = name
       elseif name == 'e' then e = flat[x + 1]
-      elseif name == n1 then v0 = nums[flat[x + 1]]
-      elseif name == n2 then w0 = nums[flat[x + 1]] end
+      elseif name == 'l' then ls0 = flat[x + 1]
+      else
+        if name == n1 then v0 = nums[flat[x + 1]]
+        elseif name == n2 then w0 = nums[flat[x + 1]] end
+        local g = gnum[name]
+        if g then
+          local kb = h - (h - g % M) % M
+          if kb < low then low = kb end
+        end
+      end
     end
+  elseif nf > 0 then
+    low = nil  -- fields but no head: leave the key without a low mark
   end
   local newh = h
   if not h or b > h then newh = b end
   if h and newh > h then
     if newh - h >= M then
       call('DEL', key)
-      h, e, v0, w0 = nil, nil, 0, 0
+      h, e, v0, w0, low = nil, nil, 0, 0, c - spec[4]
     elseif stale then
       chunked('HDEL', key, stale, 1000)
     end
@@ -204,6 +294,7 @@ local function merge_one(i, o, spec)
       if w < w0 then w = w0 end
       inc = inc + 1
       lowest = b
+      if low and b < low then low = b end
       if stamp and spec[9] and v > v0 and f >= M then  -- a peer slot's count may have risen (floors applied)
         local add = counted(v, w) - counted(v0, w0)
         if add > 0 then write[nw + 1], write[nw + 2], nw = pnames[(f - f % M) / M], risen[add], nw + 2 end
@@ -212,6 +303,7 @@ local function merge_one(i, o, spec)
       if w > 0 then write[nw + 1], write[nw + 2], nw = fnames[-f - 1], fnames[w], nw + 2 end
     end
   end
+  if low and (h or lowest) and fnames[low] ~= ls0 then write[nw + 1], write[nw + 2], nw = 'l', fnames[low], nw + 2 end
   if h or lowest then
     if nw == 2 then call('HSET', key, write[1], write[2])
     elseif nw == 4 then call('HSET', key, write[1], write[2], write[3], write[4])
