@@ -119,9 +119,11 @@ class GossipEngine(Sender):
             self.stats["unparked"] += await self.store.parked.release(round(self.region_clock() * 1_000_000), relay)
         self._start_sends(now)
         await self._prune()
+        self.lapse_down_reports(now)
         await self.repair.share_requests()
         self.repair.start_due(now)
         await self._reclaim(now)
+        self.stats["junk_keys"] += self.store.junk.take()  # (pack, settle, merge, unpark: drain's above)
         self.stats["rounds"] += 1
         self.stats["round_seconds"] = self.clock() - started
 

@@ -48,9 +48,15 @@ class Receiver:
         """The peers that a report of ``source`` (``since`` seconds old) says it cannot reach:
         its last send failed, or no acknowledgement for two heartbeats plus two
         intervals, or it never reached them."""
-        stale = 2 * self.settings.heartbeat + 2 * self.settings.interval
+        stale = self.report_stale()
         return frozenset(p for p in self.peers
                          if p != source and (p in failing or reach.get(p, math.inf) + since > stale))
+
+    def report_stale(self) -> float:
+        """Seconds without an acknowledgement after which a peer's link counts as down
+        (two heartbeats plus two intervals); a link reported down that long asks for
+        anti-entropy (:meth:`lapse_down_reports`)."""
+        return 2 * self.settings.heartbeat + 2 * self.settings.interval
 
     def relays(self, source: PeerState, msg: wire.Message | None = None) -> list[str]:
         """The peers that cells from ``source`` are relayed to: those it cannot reach.
@@ -69,18 +75,27 @@ class Receiver:
         return sorted(down)
 
     def note_reach(self, peer: PeerState, msg: wire.Message, now: float) -> None:
-        """Record what ``peer`` says of its links; start anti-entropy for a link newly down.
+        """Record what ``peer`` says of its links, and when a link first showed down.
 
         A link that ``peer``'s reports show going down may have swallowed cells we
         merged (without relaying them) while its reports still showed it up:
-        anti-entropy with that target repairs them, and relay covers what comes
-        next. Reports are compared as sent, never aged by our clock, so a link
-        that went down between two reports always counts as newly down.
+        relay covers what comes next, and anti-entropy with that target repairs
+        the rest once the link has been reported down for :meth:`report_stale`
+        (2.2 s by default; :meth:`lapse_down_reports`). A shorter failure (one send
+        that failed, then the next one went through) lost nothing: ``peer``'s own
+        outbox to the target delivered those cells. Asking for an exchange of every
+        bucket at the first report, as this did before, made every such blip
+        between two other regions cost this one a full exchange (under load, its
+        cap of keys whose deltas were still travelling). Reports are compared as
+        sent, never aged by our clock, so a link that went down between two
+        reports always counts.
         """
         down = self._down_in_report(peer.name, msg.failing, msg.reach)
         if peer.reach_at:  # a first report is no news (start-up runs anti-entropy anyway)
             for target in down - peer.reported_down:
-                self.peers[target].ae_needed = True
+                peer.down_reported.setdefault(target, now)
+        for target in [t for t in peer.down_reported if t not in down]:
+            del peer.down_reported[target]  # back up: its outbox delivered
         peer.reported_down = down
         peer.reach = dict(msg.reach)
         peer.reach_at = now
@@ -89,6 +104,18 @@ class Receiver:
             sample = msg.now_us / 1_000_000 - (now - peer.rtt / 2)
             peer.skew = 0.8 * peer.skew + 0.2 * sample if peer.skew_known else sample
             peer.skew_known = True
+
+    def lapse_down_reports(self, now: float) -> None:
+        """Ask for anti-entropy with each peer whose link from another peer has been
+        reported down for :meth:`report_stale` or more, whether that peer still reports
+        it or has gone silent (a region that died with cells in its outbox)."""
+        stale = self.report_stale()
+        for peer in self.peers.values():
+            for target, since in list(peer.down_reported.items()):
+                if now - since >= stale:
+                    del peer.down_reported[target]
+                    if target in self.peers:
+                        self.peers[target].ae_needed = True
 
     def note_clock_sample(self, peer: PeerState, peer_now_us: int, sent: float, received: float) -> None:
         """One exchange with ``peer``: we sent at ``sent``, its answer says its clock read

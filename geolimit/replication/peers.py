@@ -72,6 +72,10 @@ class PeerState:
     last_error: str | None = None
     last_error_at: float | None = None  # when (engine clock) last_error happened
     reported_down: frozenset[str] = frozenset()  # peers its last report said it cannot reach
+    #: peer -> when (our clock) this peer's reports first showed its link to that peer down,
+    #: until an exchange with that peer is asked for or a report shows the link up
+    #: (Receiver.note_reach, Receiver.lapse_down_reports)
+    down_reported: dict[str, float] = field(default_factory=dict)
     prune_cursors: dict[int, bytes] = field(default_factory=dict)  # shard -> outbox scan cursor (see prune.lua)
     prune_next: int = 0  # index into the owned shards of the next shard to prune
     next_attempt: float = 0.0
