@@ -191,3 +191,27 @@ async def test_an_app_whose_clock_runs_behind_lowers_the_mark(regions: Regions, 
     assert (await app.hit("api", "s")).allowed
     assert int(redis_client.hget(key, "l")) == c0 - 5
     assert _marks_hold(redis_client) == 1
+
+
+async def test_a_key_a_hit_creates_for_the_agent_has_a_mark_and_a_peers_cell_needs_no_whole_read(
+    regions: Regions, redis_client: redis.Redis,
+) -> None:
+    """With the agent's lease held, a key created by a hit gets its mark (the agreed
+    clock's bucket less the future tolerance); without an agent, keys carry no mark."""
+    store, limiter, _ = regions
+    CLOCK.set(START)
+    c0 = CLOCK.now_us() // RULE.resolution_us
+    assert (await limiter.hit("api", "alone")).allowed  # no agent yet: no lease
+    await store.drain(peer_ages={"p1": 0, "p2": 0})  # the agent's round: it takes the lease
+    assert (await limiter.hit("api", "s")).allowed
+    alone = next(iter(redis_client.scan_iter(match=b"gl:{*}:api:alone")))
+    key = next(iter(redis_client.scan_iter(match=b"gl:{*}:api:s")))
+    assert redis_client.hget(alone, "l") is None
+    assert int(redis_client.hget(key, "l")) == c0 - RULE.future
+    CLOCK.advance(3)
+    before = _calls(redis_client, "hgetall")
+    await store.merge_blobs(blobs_from_cells(store.layout, [("api", b"s", c0 + 3, "p1/a", 64 * 2, 0)]), "p1")
+    assert _calls(redis_client, "hgetall") == before
+    usage = await limiter.usage("api", "s")
+    assert (usage.total, usage.by_slot.get("p1/a")) == (3, 2)
+    assert _marks_hold(redis_client) == 1

@@ -39,14 +39,14 @@ def prefix() -> str:
 
 
 def all_integers(client: redis.Redis, key: bytes, numeric_names: bool = True) -> dict[bytes, bytes]:
-    """The hash at ``key`` without its expiry mark ``e``, after checking that every value
-    (and field name but ``h`` and ``e``) is an integer."""
+    """The hash at ``key`` without its expiry mark ``e`` and low mark ``l``, after checking that
+    every value (and field name but ``h``, ``e`` and ``l``) is an integer."""
     fields = cast("dict[bytes, bytes]", client.hgetall(key))
     assert fields, f"{key!r} is empty"
     for name, value in fields.items():
         assert INTEGER.match(value), f"{key!r}: field {name!r} holds {value!r}"
-        assert not numeric_names or name in (b"h", b"e") or INTEGER.match(name), f"{key!r}: field name {name!r}"
-    return {name: value for name, value in fields.items() if not numeric_names or name != b"e"}
+        assert not numeric_names or name in (b"h", b"e", b"l") or INTEGER.match(name), f"{key!r}: field name {name!r}"
+    return {name: value for name, value in fields.items() if not numeric_names or name not in (b"e", b"l")}
 
 
 def track_changes(client: redis.Redis, layout: KeyLayout, subject: bytes) -> bytes:

@@ -245,7 +245,16 @@ for _ = 1, tonumber(ARGV[4]) do
             if flats then flats[key] = nil end
           end
           local mark = expiry_mark(r.e, r.ttl)
-          if mark and um then
+          if h == nil and track and mark then
+            -- A new key the agent will replicate: its low mark (merge.lua), so that a
+            -- peer's first cell need not read it whole. F = M - N - 1 (section 2).
+            local low = fmt(c - (M - r.N - 1))
+            if um then
+              hset(key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark), 'l', low, 'u', um)
+            else
+              hset(key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark), 'l', low)
+            end
+          elseif mark and um then
             hset(key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark), 'u', um)
           elseif mark then
             hset(key, 'h', fmt(c), fmt(c % M), fmt(value), 'e', fmt(mark))
