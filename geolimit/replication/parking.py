@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from geolimit.errors import ProtocolError, StorageError
 from geolimit.replication.blob_format import pack_blob
@@ -61,13 +61,14 @@ class ParkedCells:
         calls = [[b"1", store.layout.registry_key(s), store.clock_arg(), b"%d" % store.limits.unpark_cells] for s in due]
         blobs: list[tuple[int, bytes]] = []
         for shard, reply in zip(due, checked_replies(await store.store.run_many(_UNPARK, calls)), strict=True):
+            cells = self._cells(shard, reply)
             nxt = int(reply[0])
             if nxt >= 0:
                 self.due[shard] = nxt
             else:
                 self.due.pop(shard, None)
-            if len(reply) > 1:
-                blobs.append((shard, parked_blob(reply[1:])))
+            if cells:
+                blobs.append((shard, parked_blob(cells)))
         merged = 0
         for blob in blobs:  # out of parking now: each is merged (or given up) on its own
             for attempt in (1, 2):
@@ -89,8 +90,17 @@ class ParkedCells:
         store = self.store
         calls = [[b"1", store.layout.registry_key(s), store.clock_arg(), b"0"] for s in store.owned]
         for shard, reply in zip(store.owned, checked_replies(await store.store.run_many(_UNPARK, calls)), strict=True):
+            self._cells(shard, reply)
             if int(reply[0]) >= 0:
                 self.note(shard, int(reply[0]))
+
+    def _cells(self, shard: int, reply: Sequence[Any]) -> Sequence[bytes]:
+        """The field, value pairs of an ``unpark.lua`` reply; parking keys of another type
+        (junk) it deleted (the reply's last item, then) are noted."""
+        if len(reply) % 2 == 0:
+            self.store.junk.note(shard, reply[-1], "unpark")
+            return reply[1:-1]
+        return reply[1:]
 
 
 def parked_blob(flat: Sequence[bytes]) -> bytes:

@@ -28,7 +28,7 @@ from geolimit.replication.blob_check import vet_blob
 from geolimit.replication.blob_format import blobs_from_cells, pack_blob, unpack_blob
 from geolimit.replication.digest import live_range, partition_of
 from geolimit.replication.parking import ParkedCells
-from geolimit.replication.store_results import Drained, Limits, MergeResult, Packed
+from geolimit.replication.store_results import Drained, JunkKeys, Limits, MergeResult, Packed
 from geolimit.replication.wire import Blob
 from geolimit.store.async_store import AsyncStore, checked_replies, surviving
 from geolimit.store.redis_store import describe_error
@@ -109,6 +109,8 @@ class ReplicationStore:
         self.owned = sorted(set(owned)) if owned is not None else list(range(layout.shards))
         #: Cells ahead of the clock-skew tolerance, kept until their bucket comes.
         self.parked = ParkedCells(self)
+        #: Keys of another type (junk) that pack, settle, merge and unpark deleted.
+        self.junk = JunkKeys(region)
         if any(not 0 <= s < layout.shards for s in self.owned):
             raise ValueError(f"owned shards must be in [0, {layout.shards})")
         self.region = region
@@ -209,6 +211,8 @@ class ReplicationStore:
         out = Packed()
         for shard, reply in zip(shards, checked_replies(await self.store.run_many(_PACK, calls)), strict=True):
             out.left[shard] = int(reply[3])
+            if len(reply) > 7:  # the in-flight slot held another type (junk): deleted
+                self.junk.note(shard, reply[7], "pack")
             out.unknown += int(reply[4])
             out.bad += int(reply[5])
             if reply[0]:
@@ -224,8 +228,11 @@ class ReplicationStore:
     async def settle(self, peer: str, slot: int, shards: Iterable[int], delivered: bool) -> None:
         """Acknowledge (forget) or return (re-queue) what in-flight ``slot`` holds."""
         mode = b"ack" if delivered else b"nack"
+        shards = list(shards)
         calls = [[b"1", self._registry(s), self.clock_arg(), peer.encode(), b"%d" % slot, mode] for s in shards]
-        checked_replies(await self.store.run_many(_SETTLE, calls))
+        for shard, reply in zip(shards, checked_replies(await self.store.run_many(_SETTLE, calls)), strict=True):
+            if isinstance(reply, list):  # {fields, keys of another type (junk) deleted}
+                self.junk.note(shard, reply[1], "settle")
 
     def reclaim_idle_us(self) -> int:
         """How long a slot must have written nothing in a shard before its index is taken
@@ -366,6 +373,8 @@ class ReplicationStore:
             out.add(reply)
             if len(reply) > 9 and int(reply[9]) >= 0:
                 self.parked.note(shard, int(reply[9]))
+            if len(reply) > 10:  # parking keys of another type (junk): deleted
+                self.junk.note(shard, reply[10], "merge")
         return out
 
     async def _merge_trips(self, calls: list[list[bytes]], cells: list[int]) -> list[Any]:

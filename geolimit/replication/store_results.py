@@ -3,18 +3,21 @@
 :class:`Limits` bounds every script call and what a peer may send; :class:`Drained`,
 :class:`Packed` and :class:`MergeResult` are the replies of ``drain.lua``,
 ``pack.lua`` and ``merge.lua`` as :class:`~geolimit.replication.redis_io.ReplicationStore`
-returns them.
+returns them; :class:`JunkKeys` counts the junk keys its other scripts deleted.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from geolimit.replication.wire import Blob
 
-__all__ = ["Drained", "Limits", "MergeResult", "Packed"]
+__all__ = ["Drained", "JunkKeys", "Limits", "MergeResult", "Packed"]
+
+log = logging.getLogger("geolimit.gossip")
 
 
 @dataclass(frozen=True)
@@ -76,3 +79,28 @@ class MergeResult:
         """Add one accepted ``merge.lua`` reply (``{1, cells, ...}``; later fields may be absent)."""
         for name, value in zip(_MERGE_FIELDS, reply[1:], strict=False):
             setattr(self, name, getattr(self, name) + int(value))
+
+
+class JunkKeys:
+    """Bookkeeping keys of another type (junk) that ``pack.lua``, ``settle.lua``,
+    ``merge.lua`` and ``unpark.lua`` deleted (in-flight slots ``#f:``, parking keys
+    ``#pk`` / ``#pz``): each logged with its name, and counted until the engine takes
+    the count into its ``junk_keys`` stat (``drain.lua``'s go there through :class:`Drained`)."""
+
+    def __init__(self, region: str) -> None:
+        self.region = region
+        self._count = 0
+
+    def note(self, shard: int, keys: Sequence[bytes], script: str) -> None:
+        """``script``'s call on ``shard`` deleted ``keys`` (they held another type)."""
+        if not keys:
+            return
+        self._count += len(keys)
+        names = b", ".join(bytes(k) for k in keys).decode(errors="replace")
+        log.warning("region %s: shard %d: %s held another type (junk): deleted by %s.lua",
+                    self.region, shard, names, script)
+
+    def take(self) -> int:
+        """The keys noted since the last call."""
+        count, self._count = self._count, 0
+        return count

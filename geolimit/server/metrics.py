@@ -92,7 +92,7 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("geolimit_gossip_cells_parked", "Received cells ahead of the clock-skew tolerance, kept until their bucket comes", value=stats["parked"])
         yield CounterMetricFamily("geolimit_gossip_cells_unparked", "Parked cells merged once their bucket came", value=stats["unparked"])
         yield CounterMetricFamily("geolimit_slots_reclaimed", "Slot ids of long-idle incarnations taken back from the shard registries", value=stats["slots_reclaimed"])
-        yield CounterMetricFamily("geolimit_junk_keys_repaired", "Shard bookkeeping keys of another type (junk) deleted and rewritten by the drain", value=stats["junk_keys"])
+        yield CounterMetricFamily("geolimit_junk_keys_repaired", "Shard bookkeeping keys of another type (junk) deleted (and rewritten) by the agent's scripts", value=stats["junk_keys"])
         dropped.add_metric(["unknown_rule"], stats["unknown_rule"])
         yield dropped
         yield CounterMetricFamily("geolimit_gossip_values_skipped", "Stored values that were not exact integers (skipped when packing)", value=stats["bad_values"])

@@ -14,8 +14,9 @@
 -- run again. Every check runs before any write.
 -- Refused: {0, reason}. Accepted: {1, cells, increased, dropped_old, dropped_future,
 --   unknown_rule, relayed (keys queued for relay peers), own_ahead, parked,
---   first parked due (µs on the region clock, -1: none)}; fields may be appended
---   to this reply, so readers ignore what they do not know.
+--   first parked due (µs on the region clock, -1: none), then, only if any, the
+--   parking keys of another type deleted (merge_paths.lua park)}; fields may be
+--   appended to this reply, so readers ignore what they do not know.
 -- A cell that claims more in the receiver's own current slot than it counted
 -- refuses the blob in 'delta' mode; in 'repair' mode (anti-entropy after a
 -- failover or a restore lost this region's latest writes) it is skipped, never

@@ -240,4 +240,5 @@ if parked > 0 then
     if call('PTTL', name) < keep then call('PEXPIRE', name, keep) end
   end
 end
-return {1, total, inc, old, fut, unknown, nq * #relay, own_ahead, parked, park_first or -1}
+-- (then, only if parking keys of another type were deleted, the list of their names)
+return {1, total, inc, old, fut, unknown, nq * #relay, own_ahead, parked, park_first or -1, park_junk}

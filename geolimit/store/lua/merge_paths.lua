@@ -29,10 +29,13 @@ end
 -- Park a cell ahead of the skew tolerance until due_us (region clock): a field
 -- '<bucket>:<length of slot id>:<slot id><rule:subject>' holding 'value:floor'
 -- (max-merged with what is parked), scored by due_us. False when the park is full.
+-- A parking key of another type (junk) failed every merge that parked, for good (the
+-- sender's message refused, sent again and again): on WRONGTYPE it is deleted
+-- (outbox.lua repair_park), once a call, and the cell parked again (park_junk: the
+-- keys deleted, for the reply).
 local pk, pz = tag .. '#pk', tag .. '#pz'
-local park_room, parked, park_first, park_last = nil, 0, nil, nil
-local function park(suffix, b, id, v, w, due_us)
-  local field = fmt(b) .. ':' .. fmt(#id) .. ':' .. id .. suffix
+local park_room, parked, park_first, park_last, park_junk = nil, 0, nil, nil, nil
+local function park_cell(field, v, w, due_us)
   local old = call('HGET', pk, field)
   if old then
     local ov, ow = string.match(old, '^(%d+):(%d+)$')
@@ -45,7 +48,22 @@ local function park(suffix, b, id, v, w, due_us)
     park_room = park_room - 1
   end
   call('HSET', pk, field, fmt(v) .. ':' .. fmt(w))
-  call('ZADD', pz, fmt(due_us), field)
+  call('ZADD', pz, fmt(due_us), field)  -- (a rerun after a junk pz writes the same again)
+  return true
+end
+local function park(suffix, b, id, v, w, due_us)
+  local field = fmt(b) .. ':' .. fmt(#id) .. ':' .. id .. suffix
+  local ok, done = pcall(park_cell, field, v, w, due_us)
+  if not ok then
+    if park_junk or not wrongtype(done) then error(done, 0) end
+    local due
+    park_junk, due = repair_park(pk, pz, now)
+    if #park_junk == 0 then error(done, 0) end
+    if due > 0 and (not park_first or now < park_first) then park_first = now end
+    park_room = nil
+    done = park_cell(field, v, w, due_us)
+  end
+  if not done then return false end
   parked = parked + 1
   if not park_first or due_us < park_first then park_first = due_us end
   if not park_last or due_us > park_last then park_last = due_us end

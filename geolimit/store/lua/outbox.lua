@@ -136,3 +136,58 @@ local function take(hash, n, want, seed)
   end
   return out, false
 end
+
+-- Junk: a shard's bookkeeping key of another type (an operator or a bug left it)
+-- fails every call that uses it with WRONGTYPE. The scripts check types only once a
+-- call has met WRONGTYPE (nothing on the usual path), delete the keys of theirs that
+-- hold another type and go on; the caller logs and counts the keys (design section 3).
+
+-- The text of err (what pcall caught from redis.call, or redis.pcall's error reply).
+local function error_text(err)
+  if type(err) == 'table' then return tostring(err.err) end
+  return tostring(err)
+end
+
+-- True if err (as error_text() takes it) is WRONGTYPE.
+local function wrongtype(err)
+  return string.find(error_text(err), 'WRONGTYPE', 1, true) ~= nil
+end
+
+-- Delete those of the keys {key, type, ...} that hold another type than theirs
+-- (a key of its type, or missing, is never touched). Returns them: {key, ...}.
+local function delete_junk(want)
+  local gone = {}
+  for i = 1, #want, 2 do
+    local kind = call('TYPE', want[i])['ok']
+    if kind ~= want[i + 1] and kind ~= 'none' then
+      call('DEL', want[i])
+      gone[#gone + 1] = want[i]
+    end
+  end
+  return gone
+end
+
+-- The parking keys (merge.lua's park(), unpark.lua) after a call met WRONGTYPE: hash
+-- pk (field -> 'value:floor') and zset pz (field -> due time) of another type are
+-- deleted. A junk pk holds no cells (what it held before was overwritten: anti-entropy
+-- brings such cells once their bucket is live); a junk pz left pk's cells without due
+-- times: each is made due at now (the region clock: the agent's next unpark takes them,
+-- and merge.lua parks again those still ahead). Returns the keys deleted and the cells
+-- made due.
+local function repair_park(pk, pz, now)
+  local gone = delete_junk({pk, 'hash', pz, 'zset'})
+  local due = 0
+  if #gone > 0 and gone[#gone] == pz then
+    local fields, scored, at = call('HKEYS', pk), {}, fmt(now)
+    for i = 1, #fields do
+      scored[2 * i - 1], scored[2 * i] = at, fields[i]
+    end
+    if #fields > 0 then
+      chunked('ZADD', pz, scored, 1000)
+      local ttl = call('PTTL', pk)
+      if ttl > 0 then call('PEXPIRE', pz, ttl) end
+      due = #fields
+    end
+  end
+  return gone, due
+end

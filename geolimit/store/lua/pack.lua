@@ -13,6 +13,7 @@
 --   stored values that are not exact integers are skipped and counted in bad.
 --   queued_at: when the oldest entry of the outbox this call took from was queued
 --   (µs, the in-flight hash's '@t'), -1 if it moved nothing (the peer's lag counts it).
+--   Then, only if slot w held another type (junk, deleted: see below), {slot key}.
 local reg = KEYS[1]
 local raw = clock(ARGV[1])  -- this Redis's clock: in-flight times
 local now = raw + correction(reg)  -- the region clock: which buckets are current
@@ -205,13 +206,27 @@ end
 -- call, '#<n>' -> msgpack {key, entry, ...} (cheaper than one hash field per key).
 local emptied = whole and nd * 2 == #taken
 local queued_at = nm > 0 and call('GET', since)
-if emptied and nm > 0 and call('EXISTS', flight) == 0 then
+-- The slot's fields, read before anything is written: a slot of another type (junk)
+-- is deleted here (its entries are unknown: anti-entropy repairs their cells), where
+-- a failure after the outbox lost the batch would lose it for good.
+local junk = nil
+local held = 0
+if nm > 0 then
+  held = redis.pcall('HLEN', flight)
+  if type(held) ~= 'number' then  -- an error reply: nothing was written yet
+    if not wrongtype(held) then return held end
+    junk = delete_junk({flight, 'hash'})
+    if #junk == 0 then return held end
+    held = 0
+  end
+end
+if emptied and nm > 0 and held == 0 then
   call('RENAME', box, flight)  -- O(1): the flight holds key -> entry fields (in_flight reads both layouts)
   if #empty > 0 then chunked('HDEL', flight, empty, 1000) end
 else
   if emptied then call('UNLINK', box) else chunked('HDEL', box, done, 1000) end
   if nm > 0 then
-    local n = call('HLEN', flight) - call('HEXISTS', flight, '@t')
+    local n = held - call('HEXISTS', flight, '@t')
     call('HSET', flight, '#' .. fmt(n + 1), cmsgpack.pack(moved))
   end
 end
@@ -220,5 +235,6 @@ if #rest > 0 then enqueue(box, since, rest, raw) end
 local left = 0
 if not emptied or #rest > 0 then left = call('HLEN', box) end
 if left == 0 then call('DEL', since) end
-if nkeys == 0 then return {'', 0, 0, left, unknown, bad, -1} end
-return {cmsgpack.pack({slots, bkeys, bcounts, cells}), nkeys, ncells, left, unknown, bad, tonumber(queued_at) or -1}
+if nkeys == 0 then return {'', 0, 0, left, unknown, bad, -1, junk} end
+return {cmsgpack.pack({slots, bkeys, bcounts, cells}), nkeys, ncells, left, unknown, bad, tonumber(queued_at) or -1,
+        junk}
