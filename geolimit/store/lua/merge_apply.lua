@@ -103,11 +103,6 @@ for i = 1, n do
                   if q > 0 then sv[q] = nums[flat[x + 1]] else sw[-q] = nums[flat[x + 1]] end
                 end
               end
-              local g = gnum[name]
-              if g then
-                local kb = h - (h - g % M) % M
-                if kb < low then low = kb end
-              end
             end
           end
           if k > 1 then
@@ -116,6 +111,7 @@ for i = 1, n do
               want[fnames[-cf[q] - 1]] = nil
             end
           end
+          low = oldest_kept(flat, h, M, low, stale, maxb > h and maxb or h)
         elseif nf > 0 then
           low = nil  -- fields but no head: leave the key without a low mark
         end

@@ -160,6 +160,25 @@ local lnums = setmetatable({}, {__index = function(cache, s)
   cache[s] = l
   return l
 end})
+-- The low mark to write for a key read whole (flat) with head h, at most `low`: the
+-- oldest bucket of a field kept. A moving head that cleared stale fields (a key whose
+-- ring is full, or nearly) keeps nothing before newh - M + 1, so that bound is
+-- used instead of walking the fields again (a busy key gains nothing from an exact mark).
+local function oldest_kept(flat, h, M, low, stale, newh)
+  if stale then
+    local bound = newh - M + 1
+    if bound < low then low = bound end
+    return low
+  end
+  for x = 1, #flat, 2 do
+    local g = gnum[flat[x]]
+    if g then
+      local kb = h - (h - g % M) % M
+      if kb < low then low = kb end
+    end
+  end
+  return low
+end
 local prefix = tag .. ':'
 local function merge_one(i, o, spec)
   local b, r = cells[o + 1], cells[o + 2]
@@ -276,13 +295,9 @@ local function merge_one(i, o, spec)
       else
         if name == n1 then v0 = nums[flat[x + 1]]
         elseif name == n2 then w0 = nums[flat[x + 1]] end
-        local g = gnum[name]
-        if g then
-          local kb = h - (h - g % M) % M
-          if kb < low then low = kb end
-        end
       end
     end
+    low = oldest_kept(flat, h, M, low, stale, b)
   elseif nf > 0 then
     low = nil  -- fields but no head: leave the key without a low mark
   end
