@@ -54,9 +54,17 @@ class Receiver:
 
     def report_stale(self) -> float:
         """Seconds without an acknowledgement after which a peer's link counts as down
-        (two heartbeats plus two intervals); a link reported down that long asks for
-        anti-entropy (:meth:`lapse_down_reports`)."""
+        (two heartbeats plus two intervals)."""
         return 2 * self.settings.heartbeat + 2 * self.settings.interval
+
+    def report_persist(self) -> float:
+        """Seconds a link must stay reported down before it asks for anti-entropy with its
+        target (:meth:`lapse_down_reports`): five rounds, and at least two retries of a
+        failed send (``max_backoff``), 0.5 s by default. A send that failed once and went
+        through on its retry is gone from the next report; a partial partition between two
+        other regions still converges through this one within a few rounds more
+        (tests/sim/test_scenarios.py)."""
+        return max(5 * self.settings.interval, 2 * self.settings.max_backoff)
 
     def relays(self, source: PeerState, msg: wire.Message | None = None) -> list[str]:
         """The peers that cells from ``source`` are relayed to: those it cannot reach.
@@ -80,8 +88,8 @@ class Receiver:
         A link that ``peer``'s reports show going down may have swallowed cells we
         merged (without relaying them) while its reports still showed it up:
         relay covers what comes next, and anti-entropy with that target repairs
-        the rest once the link has been reported down for :meth:`report_stale`
-        (2.2 s by default; :meth:`lapse_down_reports`). A shorter failure (one send
+        the rest once the link has been reported down for :meth:`report_persist`
+        (0.5 s by default; :meth:`lapse_down_reports`). A shorter failure (one send
         that failed, then the next one went through) lost nothing: ``peer``'s own
         outbox to the target delivered those cells. Asking for an exchange of every
         bucket at the first report, as this did before, made every such blip
@@ -107,12 +115,12 @@ class Receiver:
 
     def lapse_down_reports(self, now: float) -> None:
         """Ask for anti-entropy with each peer whose link from another peer has been
-        reported down for :meth:`report_stale` or more, whether that peer still reports
+        reported down for :meth:`report_persist` or more, whether that peer still reports
         it or has gone silent (a region that died with cells in its outbox)."""
-        stale = self.report_stale()
+        persist = self.report_persist()
         for peer in self.peers.values():
             for target, since in list(peer.down_reported.items()):
-                if now - since >= stale:
+                if now - since >= persist:
                     del peer.down_reported[target]
                     if target in self.peers:
                         self.peers[target].ae_needed = True
