@@ -101,21 +101,13 @@ local function clear_junk()
     want[#want + 1], want[#want + 2] = tag .. '#o:' .. ARGV[i], 'hash'
     want[#want + 1], want[#want + 2] = tag .. '#t:' .. ARGV[i], 'string'
   end
-  local gone = {}
-  for i = 1, #want, 2 do
-    local kind = call('TYPE', want[i])['ok']
-    if kind ~= want[i + 1] and kind ~= 'none' then
-      call('DEL', want[i])
-      gone[#gone + 1] = want[i]
-    end
-  end
-  return gone
+  return delete_junk(want)  -- (outbox.lua)
 end
 
 local ok, out = pcall(run)
 if ok then return out end
-local err = type(out) == 'table' and out.err or tostring(out)
-if not string.find(err, 'WRONGTYPE', 1, true) then return redis.error_reply(err) end
+local err = error_text(out)
+if not wrongtype(out) then return redis.error_reply(err) end
 local gone = clear_junk()
 if #gone == 0 then return redis.error_reply(err) end
 out = run()

@@ -204,18 +204,7 @@ for i = 1, n do
       if low and (h or lowest) and fnames[low] ~= ls0 then write[nw + 1], write[nw + 2], nw = 'l', fnames[low], nw + 2 end
       -- A key that does not exist and gains nothing is not created.
       if h or lowest then
-        if nw == 2 then call('HSET', key, write[1], write[2])  -- the usual sizes, without unpack()
-        elseif nw == 4 then call('HSET', key, write[1], write[2], write[3], write[4])
-        elseif nw == 6 then call('HSET', key, write[1], write[2], write[3], write[4], write[5], write[6])
-        elseif nw == 8 then
-          call('HSET', key, write[1], write[2], write[3], write[4], write[5], write[6], write[7], write[8])
-        else
-          for x = 1, nw, 1000 do
-            local y = x + 999
-            if y > nw then y = nw end
-            call('HSET', key, unpack(write, x, y))
-          end
-        end
+        write_fields(key, nw)
         if mark then arm_expiry(key, mark) end
       end
       if lowest and relaying then

@@ -179,6 +179,23 @@ local function oldest_kept(flat, h, M, low, stale, newh)
   end
   return low
 end
+-- HSET key with the first nw items of write (field, value, ...): the usual sizes
+-- without unpack(), a large key's in chunks (unpack() is limited by Lua's C stack).
+local function write_fields(key, nw)
+  if nw == 2 then call('HSET', key, write[1], write[2])
+  elseif nw == 4 then call('HSET', key, write[1], write[2], write[3], write[4])
+  elseif nw == 6 then call('HSET', key, write[1], write[2], write[3], write[4], write[5], write[6])
+  elseif nw == 8 then
+    call('HSET', key, write[1], write[2], write[3], write[4], write[5], write[6], write[7], write[8])
+  else
+    for x = 1, nw, 1000 do
+      local y = x + 999
+      if y > nw then y = nw end
+      call('HSET', key, unpack(write, x, y))
+    end
+  end
+end
+
 local prefix = tag .. ':'
 local function merge_one(i, o, spec)
   local b, r = cells[o + 1], cells[o + 2]
@@ -201,105 +218,63 @@ local function merge_one(i, o, spec)
     l = lnums[ls]  -- (cached: the keys of a blob share a few)
     fast = h and l and (b <= h or (b - M < l and b - h < M)) or false
   end
+  local e, v0, w0, low, ls0, stale = es, 0, 0, nil, ls, nil
   if fast then
-    local v0, w0 = 0, 0
     if h and b <= h and b > h - M then
       local had = call('HMGET', key, fv, fw)
       v0, w0 = nums[had[1] or '0'], nums[had[2] or '0']
     end
-    local nw, mark, newh = 0, nil, h
-    if not h or b > h then
-      newh = b
-      write[1], write[2], nw = 'h', fnames[b], 2
-      mark = mark_for(es, spec[5])
-      if mark then write[3], write[4], nw = 'e', fmt(mark), 4 end
-    end
-    local lowest = nil
-    if b <= newh - M then
-      old = old + 1
-    else
-      local v, w = cells[o + 3], cells[o + 4]
-      if v > v0 or w > w0 then
-        if v < v0 then v = v0 end
-        if w < w0 then w = w0 end
-        inc = inc + 1
-        lowest = b
-        if not h then
-          local low = c - spec[4]
-          if b < low then low = b end
-          write[nw + 1], write[nw + 2], nw = 'l', fnames[low], nw + 2
-        elseif b < l then
-          write[nw + 1], write[nw + 2], nw = 'l', fnames[b], nw + 2
-        end
-        if stamp and spec[9] and v > v0 and f >= M then  -- a peer slot's count may have risen (floors applied)
-          local add = counted(v, w) - counted(v0, w0)
-          if add > 0 then write[nw + 1], write[nw + 2], nw = pnames[(f - f % M) / M], risen[add], nw + 2 end
-        end
-        if v > 0 then write[nw + 1], write[nw + 2], nw = fv, fnames[v], nw + 2 end
-        if w > 0 then write[nw + 1], write[nw + 2], nw = fw, fnames[w], nw + 2 end
+    low = l or (c - spec[4])  -- a new key's mark: c - F, lowered below if its cell is older
+  else
+    local flat = call('HGETALL', key)
+    local nf = #flat
+    if nf > 64 then dense = true end
+    h, e, v0, w0, stale = nil, nil, 0, 0, nil
+    low = c - spec[4]  -- the low mark to write: at most the oldest bucket of a field kept
+    ls0 = nil  -- the stored low mark
+    if nf > 0 then
+      local hs = nil
+      if flat[1] == 'h' then hs = flat[2] else
+        for x = 3, nf, 2 do if flat[x] == 'h' then hs = flat[x + 1] break end end
       end
+      if hs == nil then h = nil
+      elseif hs == fnames[b] then h = b
+      elseif hs == fnames[b - 1] then h = b - 1
+      else h = tonumber(hs) end
     end
-    if h or lowest then  -- a key that does not exist and gains nothing is not created
-      if nw == 6 then call('HSET', key, write[1], write[2], write[3], write[4], write[5], write[6])
-      elseif nw == 4 then call('HSET', key, write[1], write[2], write[3], write[4])
-      elseif nw > 0 then call('HSET', key, unpack(write, 1, nw)) end
-      if mark then arm_expiry(key, mark) end
-    end
-    if lowest and relaying then
-      queued[#queued + 1] = key
-      queued[#queued + 1] = fmt(-lowest - 1)
-      nq = nq + 1
-    end
-    return true
-  end
-  local flat = call('HGETALL', key)
-  local nf = #flat
-  if nf > 64 then dense = true end
-  local h, e, v0, w0, stale = nil, nil, 0, 0, nil
-  local low = c - spec[4]  -- the low mark to write: at most the oldest bucket of a field kept
-  local ls0 = nil  -- the stored low mark
-  if nf > 0 then
-    local hs = nil
-    if flat[1] == 'h' then hs = flat[2] else
-      for x = 3, nf, 2 do if flat[x] == 'h' then hs = flat[x + 1] break end end
-    end
-    if hs == nil then h = nil
-    elseif hs == fnames[b] then h = b
-    elseif hs == fnames[b - 1] then h = b - 1
-    else h = tonumber(hs) end
-  end
-  if h then
-    local span = b - h
-    local moves = span > 0 and span < M
-    local gone = nil
-    if moves then gone = passed(spec, h, span) end
-    local n1, n2 = nil, nil
-    if b <= h and b > h - M then n1, n2 = fnames[f], fnames[-f - 1] end
-    for x = 1, nf, 2 do
-      local name = flat[x]
-      local drop = false
-      if gone then
-        drop = gone[name]
-      elseif moves then
-        local g = tonumber(name)
-        if g then
-          if g < 0 then g = -g - 1 end
-          drop = (g % M - h - 1) % M < span
+    if h then
+      local span = b - h
+      local moves = span > 0 and span < M
+      local gone = nil
+      if moves then gone = passed(spec, h, span) end
+      local n1, n2 = nil, nil
+      if b <= h and b > h - M then n1, n2 = fv, fw end
+      for x = 1, nf, 2 do
+        local name = flat[x]
+        local drop = false
+        if gone then
+          drop = gone[name]
+        elseif moves then
+          local g = tonumber(name)
+          if g then
+            if g < 0 then g = -g - 1 end
+            drop = (g % M - h - 1) % M < span
+          end
+        end
+        if drop then
+          stale = stale or {}
+          stale[#stale + 1] = name
+        elseif name == 'e' then e = flat[x + 1]
+        elseif name == 'l' then ls0 = flat[x + 1]
+        else
+          if name == n1 then v0 = nums[flat[x + 1]]
+          elseif name == n2 then w0 = nums[flat[x + 1]] end
         end
       end
-      if drop then
-        stale = stale or {}
-        stale[#stale + 1] = name
-      elseif name == 'e' then e = flat[x + 1]
-      elseif name == 'l' then ls0 = flat[x + 1]
-      else
-        if name == n1 then v0 = nums[flat[x + 1]]
-        elseif name == n2 then w0 = nums[flat[x + 1]] end
-      end
+      low = oldest_kept(flat, h, M, low, stale, b)
+    elseif nf > 0 then
+      low = nil  -- fields but no head: leave the key without a low mark
     end
-    low = oldest_kept(flat, h, M, low, stale, b)
-  elseif nf > 0 then
-    low = nil  -- fields but no head: leave the key without a low mark
   end
   local newh = h
   if not h or b > h then newh = b end
@@ -332,19 +307,16 @@ local function merge_one(i, o, spec)
         local add = counted(v, w) - counted(v0, w0)
         if add > 0 then write[nw + 1], write[nw + 2], nw = pnames[(f - f % M) / M], risen[add], nw + 2 end
       end
-      if v > 0 then write[nw + 1], write[nw + 2], nw = fnames[f], fnames[v], nw + 2 end
-      if w > 0 then write[nw + 1], write[nw + 2], nw = fnames[-f - 1], fnames[w], nw + 2 end
+      if v > 0 then write[nw + 1], write[nw + 2], nw = fv, fnames[v], nw + 2 end
+      if w > 0 then write[nw + 1], write[nw + 2], nw = fw, fnames[w], nw + 2 end
     end
   end
   if low and (h or lowest) and fnames[low] ~= ls0 then write[nw + 1], write[nw + 2], nw = 'l', fnames[low], nw + 2 end
-  if h or lowest then
-    if nw == 2 then call('HSET', key, write[1], write[2])
-    elseif nw == 4 then call('HSET', key, write[1], write[2], write[3], write[4])
-    elseif nw == 6 then call('HSET', key, write[1], write[2], write[3], write[4], write[5], write[6])
-    elseif nw == 8 then
-      call('HSET', key, write[1], write[2], write[3], write[4], write[5], write[6], write[7], write[8])
+  if h or lowest then  -- a key that does not exist and gains nothing is not created
+    if nw == 6 then  -- (P8's usual: head, cell, rise; a call less)
+      call('HSET', key, write[1], write[2], write[3], write[4], write[5], write[6])
     elseif nw > 0 then
-      call('HSET', key, unpack(write, 1, nw))
+      write_fields(key, nw)
     end
     if mark then arm_expiry(key, mark) end
   end
