@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from geolimit import AsyncLimiter, ManualClock, Rule
-from geolimit.core.cells import bucket_at
 from geolimit.core.gcounter import Cell, KeyState, join
 from geolimit.replication.digest import live_range
 from geolimit.replication.redis_io import ReplicationStore, blobs_from_cells
+from tests.support.low_mark import assert_mark_holds
 
 RULE = Rule("api", 10**6, 10, 1)  # N = 10, F = 2, a ring of M = 13 positions
 M = RULE.ring
@@ -49,21 +49,7 @@ async def regions(redis_url: str) -> AsyncIterator[Regions]:
 
 def _marks_hold(client: redis.Redis) -> int:
     """Assert the claim of every key's mark; return how many keys have one."""
-    marked = 0
-    for key in client.scan_iter(match=b"gl:{*}:api:*"):
-        fields = client.hgetall(key)
-        if b"l" not in fields:
-            continue
-        marked += 1
-        low, head = int(fields[b"l"]), int(fields[b"h"])
-        for name in fields:
-            try:
-                f = int(name)
-            except ValueError:
-                continue
-            bucket = bucket_at((-f - 1 if f < 0 else f) % M, head, M)
-            assert bucket >= low, f"{key!r}: field {name!r} is bucket {bucket}, below the mark {low}: {fields}"
-    return marked
+    return sum(assert_mark_holds(key, client.hgetall(key), M) for key in client.scan_iter(match=b"gl:{*}:api:*"))
 
 
 step = st.one_of(

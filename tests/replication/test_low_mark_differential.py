@@ -31,8 +31,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from geolimit import AsyncLimiter, ManualClock, Rule
-from geolimit.core.cells import bucket_at
 from geolimit.replication.redis_io import ReplicationStore, blobs_from_cells
+from tests.support.low_mark import assert_mark_holds
 
 API = Rule("api", 10**6, 10, 1)  # N 10, F 2, M 13
 LONG = Rule("long", 10**6, 300, 1)  # M 303: keys read by name, never the short path
@@ -98,15 +98,7 @@ def _snapshot(client: redis.Redis, strip: bool) -> dict[bytes, dict[bytes, bytes
     for key in sorted(client.scan_iter(match=b"gl:{*}:*")):
         fields = client.hgetall(key)
         ring = RULES[key.split(b":")[2].decode()].ring
-        if b"l" in fields and b"h" in fields:
-            low, head = int(fields[b"l"]), int(fields[b"h"])
-            for name in fields:
-                try:
-                    f = int(name)
-                except ValueError:
-                    continue
-                bucket = bucket_at((-f - 1 if f < 0 else f) % ring, head, ring)
-                assert bucket >= low, f"{key!r}: field {name!r} is bucket {bucket}, below the mark {low}: {fields}"
+        assert_mark_holds(key, fields, ring)
         if strip and b"l" in fields:
             client.hdel(key, b"l")
         out[key] = {n: v for n, v in fields.items() if n not in (b"l", b"e")}
