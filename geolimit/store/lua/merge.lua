@@ -165,10 +165,20 @@ if not checked then
   end
 end
 local o = 0  -- offset of key i's cells in cells
+-- The previous key's 'rule:' (its only ':' is its last byte) and rule: a key that starts
+-- with it has that rule (keys of a blob mostly share one; a C call a key less).
+local last_head, last_len, last_spec = nil, 0, false
+local find, sub = string.find, string.sub
 for i = 1, n do
   local suffix, m = keys[i], counts[i]
-  local stop = string.find(suffix, ':', 1, true)
-  local known = stop and rules[string.sub(suffix, 1, stop - 1)] or false
+  local known
+  if last_head and sub(suffix, 1, last_len) == last_head then
+    known = last_spec
+  else
+    local stop = find(suffix, ':', 1, true)
+    known = stop and rules[sub(suffix, 1, stop - 1)] or false
+    if stop then last_head, last_len, last_spec = sub(suffix, 1, stop), stop, known end
+  end
   specs[i] = known
   local last = o + 4 * m
   if not known then

@@ -154,7 +154,8 @@ local gnum = setmetatable({}, {__index = function(cache, s)
   cache[s] = g or false
   return g or false
 end})
--- lnums[s]: a stored low mark's number, false if it is not one.
+-- lnums[s]: a stored low mark's or head's number, false if it is not one (the keys of
+-- a blob share a few: a table lookup instead of tonumber() a key).
 local lnums = setmetatable({}, {__index = function(cache, s)
   local l = tonumber(s) or false
   cache[s] = l
@@ -214,7 +215,7 @@ local function merge_one(i, o, spec)
   if not hs then  -- (a missing field is false in Lua)
     fast = not ls and not es  -- no head: a new key
   elseif ls then
-    if hs == fnames[b] then h = b elseif hs == fnames[b - 1] then h = b - 1 else h = tonumber(hs) end
+    if hs == fnames[b] then h = b elseif hs == fnames[b - 1] then h = b - 1 else h = lnums[hs] or nil end
     l = lnums[ls]  -- (cached: the keys of a blob share a few)
     fast = h and l and (b <= h or (b - M < l and b - h < M)) or false
   end
@@ -240,7 +241,7 @@ local function merge_one(i, o, spec)
       if hs == nil then h = nil
       elseif hs == fnames[b] then h = b
       elseif hs == fnames[b - 1] then h = b - 1
-      else h = tonumber(hs) end
+      else h = lnums[hs] or nil end
     end
     if h then
       local span = b - h
@@ -304,7 +305,11 @@ local function merge_one(i, o, spec)
       lowest = b
       if low and b < low then low = b end
       if stamp and spec[9] and v > v0 and f >= M then  -- a peer slot's count may have risen (floors applied)
-        local add = counted(v, w) - counted(v0, w0)
+        -- counted(v, w) - counted(v0, w0), inline (four calls a key less)
+        local cv, cw = (v - v % SUB) / SUB, (w - w % SUB) / SUB
+        local add = cv > cw and cv - cw or 0
+        cv, cw = (v0 - v0 % SUB) / SUB, (w0 - w0 % SUB) / SUB
+        if cv > cw then add = add - (cv - cw) end
         if add > 0 then write[nw + 1], write[nw + 2], nw = pnames[(f - f % M) / M], risen[add], nw + 2 end
       end
       if v > 0 then write[nw + 1], write[nw + 2], nw = fv, fnames[v], nw + 2 end

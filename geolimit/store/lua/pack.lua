@@ -81,6 +81,10 @@ local numbers = setmetatable({}, {__index = function(cache, s)
   cache[s] = v
   return v
 end})
+-- The previous key's 'rule:' (its only ':' is its last byte) and rule: a key that starts
+-- with it has that rule (keys mostly share one; a C call a key less).
+local last_head, last_len, last_spec = nil, 0, nil
+local find, sub = string.find, string.sub
 for i = 1, #taken, 2 do
   if ncells >= max_cells then break end
   local key, entry = taken[i], taken[i + 1]
@@ -88,9 +92,15 @@ for i = 1, #taken, 2 do
   done[nd] = key
   local from, wide = numbers[entry], false
   if from and from < 0 then from, wide = -from - 1, true end
-  local suffix = string.sub(key, head)
-  local stop = string.find(suffix, ':', 1, true)
-  local spec = stop and rules[string.sub(suffix, 1, stop - 1)]
+  local suffix = sub(key, head)
+  local spec
+  if last_head and sub(suffix, 1, last_len) == last_head then
+    spec = last_spec
+  else
+    local stop = find(suffix, ':', 1, true)
+    spec = stop and rules[sub(suffix, 1, stop - 1)]
+    if stop then last_head, last_len, last_spec = sub(suffix, 1, stop), stop, spec end
+  end
   if not spec or not from then
     unknown = unknown + 1
     empty[#empty + 1] = key
