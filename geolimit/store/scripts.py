@@ -52,9 +52,9 @@ _OUTBOX_SCRIPTS = frozenset({"drain", "pack", "settle", "merge", "unpark", "recl
 LIBRARY_SCRIPTS = ("hit", "reset", "replay", "prune", "escrow_drain", "escrow_give", "escrow_merge", "heard", "repair_request", "drain",
                    "pack", "settle", "merge", "unpark", "reclaim", "freshen")
 #: Top-level locals of the preludes that hold state of one call, and their initial value.
-_PRELUDE_STATE = {"now_ms_cache": "nil"}
+_PRELUDE_STATE = {"now_ms_cache": "nil", "strnum": "setmetatable({}, strnum_mt)"}
 #: Top-level locals of the preludes that are set once and never change.
-_PRELUDE_CONSTANTS = frozenset({"tonumber", "ceil", "fmod", "call", "SUB", "MAX_VALUE", "MARGIN", "QUANTA"})
+_PRELUDE_CONSTANTS = frozenset({"tonumber", "ceil", "fmod", "call", "SUB", "MAX_VALUE", "MARGIN", "QUANTA", "strnum_mt"})
 
 
 #: Scripts kept in several files (each under ~400 lines), joined in this order into one chunk.

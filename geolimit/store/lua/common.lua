@@ -121,6 +121,17 @@ end
 -- admissions, see quanta()). Fields whose name or value is not a number are
 -- ignored (geolimit.core.window.read_key does the same). flat: the key's HGETALL
 -- reply if the caller has it (read only), else the key is read here.
+-- strnum[s]: tonumber(s), or false if s is not a number, kept for the rest of the call
+-- (per-call state: geolimit/store/scripts.py resets it before each call). A batch that
+-- decides one busy subject again reads the same fields and values again, and tonumber()
+-- (strtod) costs far more than a table lookup.
+local strnum_mt = {__index = function(cache, s)
+  local v = tonumber(s) or false
+  cache[s] = v
+  return v
+end}
+local strnum = setmetatable({}, strnum_mt)
+
 local function load_window(key, c, N, M, per_slot, approx, flat)
   flat = flat or call('HGETALL', key)
   local n = #flat
@@ -134,16 +145,16 @@ local function load_window(key, c, N, M, per_slot, approx, flat)
   local h, e, u, l
   for i = 1, n, 2 do
     local fs = flat[i]
-    if fs == 'h' then h = tonumber(flat[i + 1]) elseif fs == 'e' then e = tonumber(flat[i + 1])
-    elseif fs == 'u' then u = flat[i + 1] elseif fs == 'l' then l = tonumber(flat[i + 1]) end
+    if fs == 'h' then h = strnum[flat[i + 1]] or nil elseif fs == 'e' then e = strnum[flat[i + 1]] or nil
+    elseif fs == 'u' then u = flat[i + 1] elseif fs == 'l' then l = strnum[flat[i + 1]] or nil end
   end
   if not h then h = c end
   local stale, futs, floors = {}, nil, nil
   local own, ownf, old = 0, c % M, c - N - 1
   for i = 1, n, 2 do
     local fs = flat[i]
-    local f = tonumber(fs)
-    local raw_v = f and tonumber(flat[i + 1])
+    local f = strnum[fs]
+    local raw_v = f and strnum[flat[i + 1]]
     local raw = f and (f < 0 and -f - 1 or f)
     if not f then
       if rises and string.byte(fs, 1) == 112 then  -- 'p': a slot's last rise
@@ -186,9 +197,9 @@ local function load_window(key, c, N, M, per_slot, approx, flat)
   end
   if floors then
     for i = 1, n, 2 do
-      local f = tonumber(flat[i])
+      local f = strnum[flat[i]]
       local fl = f and f >= 0 and floors[f]
-      local raw_v = fl and tonumber(flat[i + 1])
+      local raw_v = fl and strnum[flat[i + 1]]
       if raw_v then
         local b = h - (h - f % M) % M
         if b > old then
