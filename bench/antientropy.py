@@ -62,6 +62,7 @@ from _antientropy import (
 )
 
 from geolimit.replication.antientropy import AntiEntropy, AntiEntropyResult
+from geolimit.replication.antientropy.common import Admit
 from geolimit.store.connect import open_async_store
 from geolimit.store.embedded import EmbeddedRedis
 
@@ -114,16 +115,21 @@ async def main_async(
         rs_a = ReplicationStore(store_a, LAYOUT, "a", {"api": API}, b"bench0", peers=["b"])
         rs_b = ReplicationStore(store_b, LAYOUT, "b", {"api": API}, b"bench1", peers=["a"])
 
-        async def merge_a(peer: str, blobs: list[tuple[int, bytes]]) -> None:
-            await rs_a.merge_blobs(blobs, peer)
+        # (the third argument, as AntiEntropy's Merge: run between the checks and the writes)
+        async def merge_a(peer: str, blobs: list[tuple[int, bytes]], admit: Admit | None = None) -> None:
+            await rs_a.merge_blobs(blobs, peer, admit=admit)
 
-        async def merge_b(peer: str, blobs: list[tuple[int, bytes]]) -> None:
-            await rs_b.merge_blobs(blobs, peer)
+        async def merge_b(peer: str, blobs: list[tuple[int, bytes]], admit: Admit | None = None) -> None:
+            await rs_b.merge_blobs(blobs, peer, admit=admit)
     else:
-        async def merge_a(peer: str, blobs: list[tuple[int, bytes]]) -> None:
+        async def merge_a(peer: str, blobs: list[tuple[int, bytes]], admit: Admit | None = None) -> None:
+            if admit is not None:
+                await admit()
             await naive_merge(raw_a, blobs)
 
-        async def merge_b(peer: str, blobs: list[tuple[int, bytes]]) -> None:
+        async def merge_b(peer: str, blobs: list[tuple[int, bytes]], admit: Admit | None = None) -> None:
+            if admit is not None:
+                await admit()
             await naive_merge(raw_b, blobs)
 
     rules = {"api": API}
