@@ -124,7 +124,8 @@ end
 -- strnum[s]: tonumber(s), or false if s is not a number, kept for the rest of the call
 -- (per-call state: geolimit/store/scripts.py resets it before each call). A batch that
 -- decides one busy subject again reads the same fields and values again, and tonumber()
--- (strtod) costs far more than a table lookup.
+-- (strtod) costs far more than a table lookup; merge.lua and pack.lua use it too (the
+-- heads, marks and values of a blob's keys repeat).
 local strnum_mt = {__index = function(cache, s)
   local v = tonumber(s) or false
   cache[s] = v

@@ -57,7 +57,7 @@ for i = 1, n do
           if hs == nil then h = nil
           elseif hs == fnames[maxb] then h = maxb
           elseif hs == fnames[maxb - 1] then h = maxb - 1
-          else h = lnums[hs] or nil end
+          else h = strnum[hs] or nil end
         end
         if h then
           local moves, gone = maxb > h and maxb - h < M, nil

@@ -154,13 +154,6 @@ local gnum = setmetatable({}, {__index = function(cache, s)
   cache[s] = g or false
   return g or false
 end})
--- lnums[s]: a stored low mark's or head's number, false if it is not one (the keys of
--- a blob share a few: a table lookup instead of tonumber() a key).
-local lnums = setmetatable({}, {__index = function(cache, s)
-  local l = tonumber(s) or false
-  cache[s] = l
-  return l
-end})
 -- The low mark to write for a key read whole (flat) with head h, at most `low`: the
 -- oldest bucket of a field kept. A moving head that cleared stale fields (a key whose
 -- ring is full, or nearly) keeps nothing before newh - M + 1, so that bound is
@@ -215,8 +208,8 @@ local function merge_one(i, o, spec)
   if not hs then  -- (a missing field is false in Lua)
     fast = not ls and not es  -- no head: a new key
   elseif ls then
-    if hs == fnames[b] then h = b elseif hs == fnames[b - 1] then h = b - 1 else h = lnums[hs] or nil end
-    l = lnums[ls]  -- (cached: the keys of a blob share a few)
+    if hs == fnames[b] then h = b elseif hs == fnames[b - 1] then h = b - 1 else h = strnum[hs] or nil end
+    l = strnum[ls]  -- (the prelude's cache of numbers: the keys of a blob share a few marks and heads)
     fast = h and l and (b <= h or (b - M < l and b - h < M)) or false
   end
   local e, v0, w0, low, ls0, stale = es, 0, 0, nil, ls, nil
@@ -241,7 +234,7 @@ local function merge_one(i, o, spec)
       if hs == nil then h = nil
       elseif hs == fnames[b] then h = b
       elseif hs == fnames[b - 1] then h = b - 1
-      else h = lnums[hs] or nil end
+      else h = strnum[hs] or nil end
     end
     if h then
       local span = b - h

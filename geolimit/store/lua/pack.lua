@@ -74,13 +74,8 @@ local moved, done, rest, empty = {}, {}, {}, {}
 local nm, nd = 0, 0
 local nkeys, ncells, unknown, bad = 0, 0, 0, 0
 local head = #tag + 2
--- numbers[s]: tonumber(s) or false, remembered for this call: outbox entries and
--- heads repeat a few buckets, and tonumber() costs more than a table lookup.
-local numbers = setmetatable({}, {__index = function(cache, s)
-  local v = tonumber(s) or false
-  cache[s] = v
-  return v
-end})
+-- Numbers go through the prelude's per-call cache (strnum): outbox entries and heads
+-- repeat a few buckets, and tonumber() costs more than a table lookup.
 -- The previous key's 'rule:' (its only ':' is its last byte) and rule: a key that starts
 -- with it has that rule (keys mostly share one; a C call a key less).
 local last_head, last_len, last_spec = nil, 0, nil
@@ -90,7 +85,7 @@ for i = 1, #taken, 2 do
   local key, entry = taken[i], taken[i + 1]
   nd = nd + 1
   done[nd] = key
-  local from, wide = numbers[entry], false
+  local from, wide = strnum[entry], false
   if from and from < 0 then from, wide = -from - 1, true end
   local suffix = sub(key, head)
   local spec
@@ -159,13 +154,13 @@ for i = 1, #taken, 2 do
       else
         got = call('HMGET', key, unpack(fields))
       end
-      local h = got[1] and numbers[got[1]]
+      local h = got[1] and strnum[got[1]]
       if h and names[0] then
         local r0 = refs[0] or ref(0)
         for b = lo, c do
           local x = got[b - lo + 2]
           if x and b <= h and b > h - M then
-            local v = numbers[x]
+            local v = strnum[x]
             -- an exact integer in [0, MAX_VALUE] (NaN fails v >= 0; v % 1 is 0 for integers only)
             if v and v >= 0 and v <= MAX_VALUE and v % 1 == 0 then
               cells[n4 + 1], cells[n4 + 2], cells[n4 + 3], cells[n4 + 4] = b, r0, v, 0
