@@ -20,7 +20,8 @@ alternating order, the direct path and the proxied path:
 
 The verdicts use the medians over rounds. Targets: at most 1.5 ms added (median)
 and at least 60 % of the direct throughput. Also printed: each process's CPU per
-request, and the script calls Redis ran during the rounds (decisions a call, Redis
+request, how busy the machine's CPUs were (a proxied run that leaves them idle is
+bound by hand-offs between the processes, not by CPU), and the script calls Redis ran during the rounds (decisions a call, Redis
 time a call and a decision, from ``INFO commandstats``).
 """
 
@@ -229,6 +230,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_times() -> tuple[float, float]:
+    """(busy, all) CPU time of the whole machine so far, in clock ticks (Linux /proc/stat; zeros elsewhere)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            ticks = [int(t) for t in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return float(sum(ticks[:8]) - idle), float(sum(ticks[:8]))
+
+
 def decisions(admin: str) -> float:
     import urllib.request
 
@@ -284,11 +296,15 @@ def run(args: argparse.Namespace) -> int:
             for i in range(args.rounds):
                 order = ["direct", "proxy"] if i % 2 == 0 else ["proxy", "direct"]
                 seq = {name: loadgen.ask({"url": targets[name], "mode": "seq", "n": args.seq}) for name in order}
-                conc, cpu = {}, {}
+                conc, cpu, busy = {}, {}, {}
                 for name in order:
                     start = {proc: sum(map(cpu_seconds, ids)) for proc, ids in pids.items()}
+                    machine_before = machine_times()
                     conc[name] = loadgen.ask({"url": targets[name], "mode": "conc", "workers": args.concurrency,
                                               "seconds": args.seconds})
+                    machine_after = machine_times()
+                    elapsed = machine_after[1] - machine_before[1]
+                    busy[name] = (machine_after[0] - machine_before[0]) / elapsed if elapsed else 0.0
                     cpu[name] = {proc: (sum(map(cpu_seconds, ids)) - start[proc]) / max(1, conc[name]["requests"]) * 1e6
                                  for proc, ids in pids.items()}
                 errors = sum(r["errors"] for r in (*seq.values(), *conc.values()))
@@ -301,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
                     "direct_p90_ms": seq["direct"]["p90"] * 1e3, "proxy_p90_ms": seq["proxy"]["p90"] * 1e3,
                     "direct_rps": conc["direct"]["rps"], "proxy_rps": conc["proxy"]["rps"],
                     "ratio": conc["proxy"]["rps"] / conc["direct"]["rps"],
-                    "cpu_us": cpu,
+                    "cpu_us": cpu, "busy": busy,
                 })
                 r = rounds[-1]
                 print(f"round {i + 1}/{args.rounds}: direct {r['direct_ms']:.3f} ms, proxy {r['proxy_ms']:.3f} ms "
@@ -355,8 +371,12 @@ def run(args: argparse.Namespace) -> int:
                                  for path in ("direct", "proxy"))])
     cpu_rows.append(["total", *(f"{statistics.median(sum(r['cpu_us'][path].values()) for r in rounds):.0f} us"
                                 for path in ("direct", "proxy"))])
+    cpu_rows.append(["machine busy", *(f"{statistics.median(r['busy'][path] for r in rounds):.0%}"
+                                       for path in ("direct", "proxy"))])
     for cpu_row in cpu_rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(cpu_row, (16, 10, 10), strict=True)).rstrip())
+    print(f"(machine busy: the share of all {os.cpu_count()} CPUs' time not idle during the runs, other processes "
+          f"included)")
     if args.json:
         Path(args.json).write_text(json.dumps({"rounds": rounds, "added_ms": added, "ratio": ratio,
                                                "decisions": decided, "proxied": proxied_requests}, indent=2))

@@ -17,7 +17,8 @@ library is built from the same files, so both ways run the same code:
 * each script's body becomes a function over ``KEYS`` and ``ARGV``, scoped as in
   its ``EVALSHA`` form (the outbox prelude is visible only to the scripts that
   include it);
-* the preludes' per-call state (:data:`_PRELUDE_STATE`) is reset before each body.
+* the preludes' per-call state (:data:`_PRELUDE_STATE`) is reset before each body; their
+  bounded caches (:data:`_PRELUDE_CACHES`, pure functions of their keys) are kept.
 """
 
 from __future__ import annotations
@@ -52,9 +53,13 @@ _OUTBOX_SCRIPTS = frozenset({"drain", "pack", "settle", "merge", "unpark", "recl
 LIBRARY_SCRIPTS = ("hit", "reset", "replay", "prune", "escrow_drain", "escrow_give", "escrow_merge", "heard", "repair_request", "drain",
                    "pack", "settle", "merge", "unpark", "reclaim", "freshen")
 #: Top-level locals of the preludes that hold state of one call, and their initial value.
-_PRELUDE_STATE = {"now_ms_cache": "nil", "strnum": "setmetatable({}, strnum_mt)"}
+_PRELUDE_STATE = {"now_ms_cache": "nil"}
+#: Top-level locals of the preludes that hold a bounded cache kept between a library's calls: a pure
+#: function of its keys (``strnum``: string -> number), so a call may meet it in any state.
+_PRELUDE_CACHES = frozenset({"strnum", "strnum_count"})
 #: Top-level locals of the preludes that are set once and never change.
-_PRELUDE_CONSTANTS = frozenset({"tonumber", "ceil", "fmod", "call", "SUB", "MAX_VALUE", "MARGIN", "QUANTA", "strnum_mt"})
+_PRELUDE_CONSTANTS = frozenset({"tonumber", "ceil", "fmod", "call", "SUB", "MAX_VALUE", "MARGIN", "QUANTA", "strnum_mt",
+                                "NONE", "ZEROS", "SUBS", "STRNUM_CAP"})
 
 
 #: Scripts kept in several files (each under ~400 lines), joined in this order into one chunk.
@@ -87,10 +92,10 @@ def _check_prelude_locals(prelude: bytes) -> None:
         if match is None:
             continue
         for var in (v.strip() for v in match.group(1).split(",")):
-            if var not in _PRELUDE_CONSTANTS and var not in _PRELUDE_STATE:
+            if var not in _PRELUDE_CONSTANTS and var not in _PRELUDE_STATE and var not in _PRELUDE_CACHES:
                 raise RuntimeError(
-                    f"prelude top-level local {var!r} is not in _PRELUDE_CONSTANTS or "
-                    "_PRELUDE_STATE (geolimit/store/scripts.py): say whether it holds per-call state"
+                    f"prelude top-level local {var!r} is not in _PRELUDE_CONSTANTS, _PRELUDE_STATE or "
+                    "_PRELUDE_CACHES (geolimit/store/scripts.py): say whether it holds per-call state"
                 )
 
 

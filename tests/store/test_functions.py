@@ -97,7 +97,20 @@ def test_the_library_holds_every_script_that_runs_by_name() -> None:
 def test_a_prelude_variable_of_unknown_lifetime_is_refused_when_the_library_is_built() -> None:
     with pytest.raises(RuntimeError, match="'seen'"):
         scripts._check_prelude_locals(b"local call = redis.call\nlocal seen = {}\n")
-    scripts._check_prelude_locals(b"local function f() end\nlocal now_ms_cache = nil\n")
+    scripts._check_prelude_locals(b"local function f() end\nlocal now_ms_cache = nil\nlocal strnum_count = 0\n")
+
+
+def test_decisions_stay_right_when_the_kept_number_cache_fills_and_starts_afresh(redis_url: str) -> None:
+    """common.lua's strnum outlives a library call and starts afresh after 4,096 conversions: 10,000
+    distinct costs on fresh subjects (each cost string new to it) cross that bound several times."""
+    limit = 10**6
+    with Limiter.from_url(redis_url, region="us", rules=[Rule("big", limit, 10)], clock=ManualClock()) as limiter:
+        for half in range(2):
+            costs = range(1 + half * 5000, 5001 + half * 5000)
+            decided = limiter.hit_many([("big", f"s{cost}", cost) for cost in costs])
+            assert [d.remaining for d in decided] == [limit - cost for cost in costs]
+            again = limiter.hit_many([("big", f"s{cost}", 1) for cost in costs])  # the same subjects, read back
+            assert [d.remaining for d in again] == [limit - cost - 1 for cost in costs]
 
 
 def test_fcall_and_evalsha_decide_and_store_exactly_alike(redis_client: redis.Redis, redis_url: str) -> None:

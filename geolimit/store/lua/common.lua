@@ -121,28 +121,58 @@ end
 -- admissions, see quanta()). Fields whose name or value is not a number are
 -- ignored (geolimit.core.window.read_key does the same). flat: the key's HGETALL
 -- reply if the caller has it (read only), else the key is read here.
--- strnum[s]: tonumber(s), or false if s is not a number, kept for the rest of the call
--- (per-call state: geolimit/store/scripts.py resets it before each call). A batch that
--- decides one busy subject again reads the same fields and values again, and tonumber()
--- (strtod) costs far more than a table lookup; merge.lua and pack.lua use it too (the
--- heads, marks and values of a blob's keys repeat).
-local strnum_mt = {__index = function(cache, s)
+-- strnum[s]: tonumber(s), or false if s is not a number, from a cache. tonumber() (glibc's
+-- strtod) costs far more than a table lookup, and the same strings come again and again: a
+-- batch that decides one busy subject reads the same fields and values again, every request
+-- repeats its rules' arguments, merge.lua and pack.lua meet the same heads, marks and values
+-- across a blob's keys. The cache is a pure function of its keys, so it may outlive a call:
+-- in the function library (Redis 7, preludes set up once) it does, and every call reuses the
+-- rule arguments and field names converted before; under EVALSHA the prelude runs again for
+-- each call, so it lasts one call. Bounded: after STRNUM_CAP conversions it starts afresh
+-- (geolimit/store/scripts.py: _PRELUDE_CACHES).
+local STRNUM_CAP = 4096
+local strnum_count = 0
+local strnum_mt = {}
+local strnum = setmetatable({}, strnum_mt)
+strnum_mt.__index = function(cache, s)
   local v = tonumber(s) or false
+  if strnum_count >= STRNUM_CAP then
+    strnum_count = 0
+    cache = setmetatable({}, strnum_mt)
+    strnum = cache
+  end
+  strnum_count = strnum_count + 1
   cache[s] = v
   return v
-end}
-local strnum = setmetatable({}, strnum_mt)
+end
 
+-- firsts is filled only with approx; else it is NONE (read by nobody, written by nobody), as is
+-- stale when no field has left the window. sums and firsts of up to 33 buckets (the default is
+-- 11: N = 10) are built by one table constructor from ZEROS / SUBS, cheaper than N + 1 stores.
+local NONE = {}
+local ZEROS = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+               0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+local SUBS = {SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB,
+              SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB}
 local function load_window(key, c, N, M, per_slot, approx, flat)
   flat = flat or call('HGETALL', key)
   local n = #flat
-  local sums = {}
-  for d = 0, N do sums[d] = 0 end
+  local sums, firsts
+  if N <= 32 then
+    sums = {[0] = 0, unpack(ZEROS, 1, N)}
+    firsts = approx and {[0] = SUB, unpack(SUBS, 1, N)} or NONE
+  else
+    sums = {}
+    for d = 0, N do sums[d] = 0 end
+    firsts = NONE
+    if approx then
+      firsts = {}
+      for d = 0, N do firsts[d] = SUB end
+    end
+  end
   local slots = per_slot and {} or nil
-  local firsts = {}
-  for d = 0, N do firsts[d] = SUB end
   local rises = per_slot and {} or nil
-  if n == 0 then return sums, nil, nil, 0, {}, slots, firsts, nil, rises end
+  if n == 0 then return sums, nil, nil, 0, NONE, slots, firsts, nil, rises end
   local h, e, u, l
   for i = 1, n, 2 do
     local fs = flat[i]
@@ -150,7 +180,7 @@ local function load_window(key, c, N, M, per_slot, approx, flat)
     elseif fs == 'u' then u = flat[i + 1] elseif fs == 'l' then l = strnum[flat[i + 1]] or nil end
   end
   if not h then h = c end
-  local stale, futs, floors = {}, nil, nil
+  local stale, futs, floors = nil, nil, nil
   local own, ownf, old = 0, c % M, c - N - 1
   for i = 1, n, 2 do
     local fs = flat[i]
@@ -169,7 +199,7 @@ local function load_window(key, c, N, M, per_slot, approx, flat)
         end
       end
     elseif raw and h - (h - raw % M) % M <= old then
-      stale[#stale + 1] = fs
+      if stale then stale[#stale + 1] = fs else stale = {fs} end
     elseif raw_v then
       local b = h - (h - raw % M) % M
       if f < 0 then
@@ -220,7 +250,7 @@ local function load_window(key, c, N, M, per_slot, approx, flat)
       end
     end
   end
-  return sums, futs, h, own, stale, slots, firsts, e, rises, u, l
+  return sums, futs, h, own, stale or NONE, slots, firsts, e, rises, u, l
 end
 
 -- Approximate mode: the share of the oldest bucket still inside the window ending
@@ -270,7 +300,7 @@ end
 -- allowed, used, retry_after (-1: never), reset_after, stable (see below).
 local function evaluate(sums, firsts, futs, N, now, cost, limit, res, approx, consume, reserve)
   local c = bucket(now, res)
-  local weight = share(firsts[N], c, res, now)
+  local weight = approx and share(firsts[N], c, res, now) or 1  -- (firsts: approx only)
   local newer = reserve + ahead(futs)
   for d = 0, N - 1 do newer = newer + sums[d] end
   local count

@@ -158,7 +158,8 @@ local function escrow_write(key, r, cost, consumed, ttl, track, chg)
 end
 
 for _ = 1, tonumber(ARGV[4]) do
-  local consume, cost, nr = ARGV[ai] == '1', tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2])
+  -- (numbers of ARGV through strnum: the requests of a batch repeat the same rule arguments)
+  local consume, cost, nr = ARGV[ai] == '1', strnum[ARGV[ai + 1]], strnum[ARGV[ai + 2]]
   ai = ai + 3
   local reg, chg, peers = KEYS[ki], KEYS[ki + 1], KEYS[ki + 2]
   ki = ki + 3
@@ -173,8 +174,8 @@ for _ = 1, tonumber(ARGV[4]) do
   local gnow = now + (tonumber(regs[3]) or 0)
   local res_all, rs, info, held = true, {}, nil, false
   for j = 1, nr do
-    local limit, res, N, M = tonumber(ARGV[ai]), tonumber(ARGV[ai + 1]), tonumber(ARGV[ai + 2]), tonumber(ARGV[ai + 3])
-    local ttl, spec = tonumber(ARGV[ai + 4]), ARGV[ai + 9]
+    local limit, res, N, M = strnum[ARGV[ai]], strnum[ARGV[ai + 1]], strnum[ARGV[ai + 2]], strnum[ARGV[ai + 3]]
+    local ttl, spec = strnum[ARGV[ai + 4]], ARGV[ai + 9]
     if spec ~= '' then
       if held == false then held = escrow_hold(reg) end
       local r = escrow_rule(KEYS[ki + j - 1], reg, limit, res, N, spec, cost, held)
@@ -183,13 +184,13 @@ for _ = 1, tonumber(ARGV[4]) do
       rs[j] = r
     else
       local approx, predict = ARGV[ai + 5] == '1', ARGV[ai + 6] == '1'
-      local partition = tonumber(ARGV[ai + 7])
+      local partition = strnum[ARGV[ai + 7]]
       local c = bucket(gnow, res)
       local watch = predict or partition > 0
       local sums, futs, h, own, stale, slots, firsts, e, rises, u, low = load_window(KEYS[ki + j - 1], c, N, M, watch, approx,
                                                                                   read_flat(KEYS[ki + j - 1]))
       local reserve, closed, predicted, ends, falls = 0, false, 0, 0, nil
-      local after = tonumber(ARGV[ai + 8])
+      local after = strnum[ARGV[ai + 8]]
       local uq, ucs = nil, nil  -- field 'u', read (predicting approximate rules with peers: rewritten on admission)
       if watch and (partition > 0 or has_remote(slots) or has_remote(rises)) then
         info = info or load_peers(reg, peers)
@@ -217,13 +218,15 @@ for _ = 1, tonumber(ARGV[4]) do
     end
     ai = ai + 10
   end
-  local single
+  -- One gossip-mode rule allowed so far: its answer, decided once (in locals, not a table).
+  local single, s_ok, s_used, s_retry, s_reset, s_stable = false, nil, nil, nil, nil, nil
   if nr == 1 and res_all and not rs[1].escrow then
     local r = rs[1]
-    single = {evaluate(r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res, r.approx, consume, r.reserve)}
-    single[3] = predicted_retry(single[3], r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res, r.approx,
-                                r.reserve, r.predicted, r.ends)
-    res_all = single[1]
+    s_ok, s_used, s_retry, s_reset, s_stable = evaluate(r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res,
+                                                        r.approx, consume, r.reserve)
+    s_retry = predicted_retry(s_retry, r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res, r.approx,
+                              r.reserve, r.predicted, r.ends)
+    single, res_all = true, s_ok
   end
   local consumed = res_all and consume
   local track
@@ -289,7 +292,7 @@ for _ = 1, tonumber(ARGV[4]) do
       end
       ok, used, retry, reset, stable = escrow_reply(r, cost, consumed)
     elseif single then
-      ok, used, retry, reset, stable = single[1], single[2], single[3], single[4], single[5]
+      ok, used, retry, reset, stable = s_ok, s_used, s_retry, s_reset, s_stable
     else
       ok, used, retry, reset, stable = evaluate(r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res, r.approx,
                                                 consumed, r.reserve)
