@@ -21,8 +21,9 @@ alternating order, the direct path and the proxied path:
 The verdicts use the medians over rounds. Targets: at most 1.5 ms added (median)
 and at least 60 % of the direct throughput. Also printed: each process's CPU per
 request, how busy the machine's CPUs were (a proxied run that leaves them idle is
-bound by hand-offs between the processes, not by CPU), and the script calls Redis ran during the rounds (decisions a call, Redis
-time a call and a decision, from ``INFO commandstats``).
+bound by hand-offs between the processes, not by CPU), and the script calls Redis
+ran during the rounds (decisions a call, Redis time a call and a decision, from
+``INFO commandstats``).
 """
 
 from __future__ import annotations

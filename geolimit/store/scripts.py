@@ -92,10 +92,11 @@ def _check_prelude_locals(prelude: bytes) -> None:
         if match is None:
             continue
         for var in (v.strip() for v in match.group(1).split(",")):
-            if var not in _PRELUDE_CONSTANTS and var not in _PRELUDE_STATE and var not in _PRELUDE_CACHES:
+            if var not in _PRELUDE_CONSTANTS | _PRELUDE_STATE.keys() | _PRELUDE_CACHES:
                 raise RuntimeError(
                     f"prelude top-level local {var!r} is not in _PRELUDE_CONSTANTS, _PRELUDE_STATE or "
-                    "_PRELUDE_CACHES (geolimit/store/scripts.py): say whether it holds per-call state"
+                    "_PRELUDE_CACHES (geolimit/store/scripts.py): say whether it is a constant, per-call "
+                    "state or a cache kept between calls"
                 )
 
 

@@ -147,29 +147,25 @@ strnum_mt.__index = function(cache, s)
 end
 
 -- firsts is filled only with approx; else it is NONE (read by nobody, written by nobody), as is
--- stale when no field has left the window. sums and firsts of up to 33 buckets (the default is
--- 11: N = 10) are built by one table constructor from ZEROS / SUBS, cheaper than N + 1 stores.
+-- stale when no field has left the window.
 local NONE = {}
+-- filled(same, v, N): a table of v at 0..N. Up to #same + 1 buckets (the default is 11: N = 10)
+-- one table constructor from same (#same copies of v), cheaper than N + 1 stores.
 local ZEROS = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
 local SUBS = {SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB,
               SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB, SUB}
+local function filled(same, v, N)
+  if N <= #same then return {[0] = v, unpack(same, 1, N)} end
+  local t = {}
+  for d = 0, N do t[d] = v end
+  return t
+end
 local function load_window(key, c, N, M, per_slot, approx, flat)
   flat = flat or call('HGETALL', key)
   local n = #flat
-  local sums, firsts
-  if N <= 32 then
-    sums = {[0] = 0, unpack(ZEROS, 1, N)}
-    firsts = approx and {[0] = SUB, unpack(SUBS, 1, N)} or NONE
-  else
-    sums = {}
-    for d = 0, N do sums[d] = 0 end
-    firsts = NONE
-    if approx then
-      firsts = {}
-      for d = 0, N do firsts[d] = SUB end
-    end
-  end
+  local sums = filled(ZEROS, 0, N)
+  local firsts = approx and filled(SUBS, SUB, N) or NONE
   local slots = per_slot and {} or nil
   local rises = per_slot and {} or nil
   if n == 0 then return sums, nil, nil, 0, NONE, slots, firsts, nil, rises end

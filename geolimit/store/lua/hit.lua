@@ -218,15 +218,16 @@ for _ = 1, tonumber(ARGV[4]) do
     end
     ai = ai + 10
   end
-  -- One gossip-mode rule allowed so far: its answer, decided once (in locals, not a table).
-  local single, s_ok, s_used, s_retry, s_reset, s_stable = false, nil, nil, nil, nil, nil
+  -- One gossip-mode rule allowed so far: its answer, decided once (in locals, not a table;
+  -- s_used is nil otherwise).
+  local s_ok, s_used, s_retry, s_reset, s_stable
   if nr == 1 and res_all and not rs[1].escrow then
     local r = rs[1]
     s_ok, s_used, s_retry, s_reset, s_stable = evaluate(r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res,
                                                         r.approx, consume, r.reserve)
     s_retry = predicted_retry(s_retry, r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res, r.approx,
                               r.reserve, r.predicted, r.ends)
-    single, res_all = true, s_ok
+    res_all = s_ok
   end
   local consumed = res_all and consume
   local track
@@ -291,7 +292,7 @@ for _ = 1, tonumber(ARGV[4]) do
         escrow_write(KEYS[ki + j - 1], r, cost, consumed, r.ttl, track, chg)
       end
       ok, used, retry, reset, stable = escrow_reply(r, cost, consumed)
-    elseif single then
+    elseif s_used ~= nil then
       ok, used, retry, reset, stable = s_ok, s_used, s_retry, s_reset, s_stable
     else
       ok, used, retry, reset, stable = evaluate(r.sums, r.firsts, r.futs, r.N, gnow, cost, r.limit, r.res, r.approx,
